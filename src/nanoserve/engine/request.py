@@ -1,0 +1,74 @@
+"""`Request`: one generation inside the engine core, with explicit counters that the scheduler and
+the block manager advance (tokens computed so far, blocks held, hashes of its full blocks)."""
+from __future__ import annotations
+
+import enum
+import time
+from typing import Optional
+
+from nanoserve.protocol import FinishReason
+from nanoserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 max_tokens: int, eos_token_ids: tuple[int, ...] = (), arrival_time: float = 0.0):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.max_tokens = max_tokens  # already clamped to the room left in the context
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.stop_token_ids = frozenset(params.stop_token_ids)
+        self.arrival_time = arrival_time or time.monotonic()
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # set when first scheduled
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []  # hash chain of this request's full blocks, grows as it runs
+        self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
+        self.status = RequestStatus.WAITING
+        self.finish_reason: Optional[FinishReason] = None
+        self.stop_reason: Optional[int] = None
+        self.num_preemptions = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+
+    def check_stop(self) -> bool:
+        """After a new token: decide whether the request is done, and why."""
+        token = self.output_token_ids[-1]
+        past_min = self.num_output_tokens >= self.params.min_tokens
+        if past_min and not self.params.ignore_eos and token in self.eos_token_ids:
+            self.finish_reason = FinishReason.STOP
+        elif past_min and token in self.stop_token_ids:
+            self.finish_reason, self.stop_reason = FinishReason.STOP, token
+        elif self.num_output_tokens >= self.max_tokens:
+            self.finish_reason = FinishReason.LENGTH
+        else:
+            return False
+        return True

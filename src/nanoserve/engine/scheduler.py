@@ -1,0 +1,139 @@
+"""`Scheduler`: decides each step which requests run and how many tokens each computes. No phases:
+every request's `num_computed_tokens` catches up with its `num_tokens` under a per-step token budget,
+which gives chunked prefill mixed with decodes; when blocks run out the newest running request is
+preempted and recomputed later. Pure Python, no tensors."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from nanoserve.config import SchedulerConfig
+from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.request import Request, RequestStatus
+from nanoserve.protocol import FinishReason
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work, decodes (1 new token) listed before prefill chunks."""
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order; the last is preempted first
+        self.requests: dict[str, Request] = {}
+
+    # ---------------------------------------------------------------------------- bookkeeping
+    def add_request(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self._finish(req, FinishReason.ABORT)
+        return req
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = req.finish_reason or reason
+        self.block_manager.free(req)
+        del self.requests[req.request_id]
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.block_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # -------------------------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+
+        # 1. Running requests, oldest first: decodes and unfinished prefill chunks.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.block_manager.allocate(req, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                scheduled.append((req, n))
+                budget -= n
+                i += 1
+                continue
+            break  # the request itself was preempted: nothing after it is still running
+
+        # 2. Waiting requests, first come first served, unless we just had to preempt.
+        while self.waiting and budget > 0 and not out.preempted \
+                and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            cached = self.block_manager.find_cached_prefix(req)
+            num_cached = len(cached) * self.block_manager.block_size
+            n = min(req.num_tokens - num_cached, budget)
+            if not self.block_manager.allocate(req, n, cached):
+                break
+            self.waiting.popleft()
+            if req.num_cached_tokens < 0:  # first admission, not a resume after preemption
+                req.num_cached_tokens = num_cached
+                self.block_manager.record_prefix_query(req.num_prompt_tokens, num_cached)
+            req.num_computed_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append((req, n))
+            budget -= n
+
+        # Decodes first: the model runner batches them together.
+        scheduled.sort(key=lambda item: item[0].num_tokens - item[0].num_computed_tokens != 1)
+        out.requests = [r for r, _ in scheduled]
+        out.num_new_tokens = [n for _, n in scheduled]
+        return out
+
+    # ------------------------------------------------------------------------------ update
+    def update_from_output(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
+        """Advances counters after the model ran. `sampled[i]` is the new token of request i, or None
+        for a prefill chunk that did not reach the end of its prompt. Returns requests that got a new
+        token or finished, in scheduling order."""
+        touched = []
+        for req, n, token in zip(out.requests, out.num_new_tokens, sampled):
+            if req.is_finished:  # aborted while the step ran
+                continue
+            req.num_computed_tokens += n
+            if token is None:
+                self.block_manager.cache_full_blocks(req)
+                continue
+            req.append_token(token)
+            self.block_manager.cache_full_blocks(req)
+            touched.append(req)
+            if req.check_stop():
+                self._finish(req, req.finish_reason)
+        return touched

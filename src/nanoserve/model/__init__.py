@@ -1,0 +1,1 @@
+"""Model loading and our own forward pass for Llama-family architectures."""

@@ -1,0 +1,137 @@
+"""Building blocks of a Llama-family decoder: RMSNorm, rotary embeddings (default, linear, llama3
+scaling), and attention that writes to and reads from the paged KV cache through block tables."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict]) -> torch.Tensor:
+    """Inverse frequencies of the rotary embedding, with Hugging Face's `rope_scaling` rules."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if not scaling or scaling.get("rope_type", "default") == "default":
+        return inv_freq
+    kind = scaling["rope_type"]
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope_scaling type {kind!r}")
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputes cos/sin for every position once; `forward` rotates q and k in place of HF's
+    `rotate_half` convention (first half / second half of each head)."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: Optional[dict]):
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)  # (P, D)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        # q: (T, H, D), k: (T, KVH, D)
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # (T, 1, D)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+@dataclass
+class PrefillSeq:
+    """One sequence computing `q_len` new tokens (starting at row `q_start` of the flat batch) on top
+    of `ctx_len - q_len` tokens already in its KV blocks."""
+    q_start: int
+    q_len: int
+    ctx_len: int
+    slots: torch.Tensor  # (ctx_len,) KV-cache slot of every position 0..ctx_len-1
+    mask: Optional[torch.Tensor]  # (q_len, ctx_len) bool, None when plain causal from position 0
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs for one step, built once by the model runner and shared by all
+    layers. Rows of the flat batch are ordered: decode tokens first (one per sequence), then prefills."""
+    positions: torch.Tensor  # (T,) position of every token
+    slot_mapping: torch.Tensor  # (T,) KV-cache slot each token's K/V is written to
+    num_decodes: int = 0
+    decode_slots: Optional[torch.Tensor] = None  # (Bd, Tmax) cache slots of each decode's context
+    decode_bias: Optional[torch.Tensor] = None  # (1, Bd, 1, Tmax) 0 / -inf padding mask
+    prefills: list[PrefillSeq] = field(default_factory=list)
+
+
+class KVCache:
+    """One layer's paged keys and values, laid out (KVH, num_slots, D) so that gathering the slots of a
+    batch of sequences yields (KVH, B, T, D), ready for batched matmuls without another copy."""
+
+    def __init__(self, num_kv_heads: int, num_slots: int, head_dim: int, dtype: torch.dtype):
+        self.k = torch.zeros(num_kv_heads, num_slots, head_dim, dtype=dtype)
+        self.v = torch.zeros(num_kv_heads, num_slots, head_dim, dtype=dtype)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: (T, H, D); k, v: (T, KVH, D) for the new tokens. Writes k, v into the cache, then attends
+    each token to its sequence's context. Returns (T, H * D)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    cache.k[:, meta.slot_mapping] = k.transpose(0, 1)
+    cache.v[:, meta.slot_mapping] = v.transpose(0, 1)
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
+
+    nd = meta.num_decodes
+    if nd:
+        # (KVH, Bd, G, D): heads of one KV group are consecutive in HF's layout.
+        qd = q[:nd].view(nd, num_kv_heads, group, head_dim).transpose(0, 1)
+        keys = cache.k[:, meta.decode_slots]  # (KVH, Bd, Tmax, D)
+        values = cache.v[:, meta.decode_slots]
+        scores = torch.matmul(qd, keys.transpose(-1, -2)).float() * scale  # (KVH, Bd, G, Tmax)
+        probs = torch.softmax(scores + meta.decode_bias, dim=-1).to(values.dtype)
+        out[:nd] = torch.matmul(probs, values).transpose(0, 1).reshape(nd, num_heads, head_dim)
+
+    for seq in meta.prefills:
+        rows = slice(seq.q_start, seq.q_start + seq.q_len)
+        qp = q[rows].transpose(0, 1).unsqueeze(0)  # (1, H, n, D)
+        if seq.mask is None:  # a fresh prompt: its keys are exactly the new ones
+            kp = k[rows].transpose(0, 1).unsqueeze(0)
+            vp = v[rows].transpose(0, 1).unsqueeze(0)
+        else:
+            kp = cache.k[:, seq.slots].unsqueeze(0)  # (1, KVH, ctx, D)
+            vp = cache.v[:, seq.slots].unsqueeze(0)
+        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=seq.mask, is_causal=seq.mask is None,
+                                           scale=scale, enable_gqa=group > 1)
+        out[rows] = o[0].transpose(0, 1)
+    return out.view(num_tokens, num_heads * head_dim)

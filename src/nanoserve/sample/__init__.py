@@ -1,0 +1,1 @@
+"""Batched sampling: per-batch metadata and one chain of tensor operations for every row."""

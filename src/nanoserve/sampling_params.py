@@ -1,0 +1,47 @@
+"""`SamplingParams`: what one request asks of the sampler and the stop logic, validated on
+construction with a `ValueError` that names the offending field."""
+from __future__ import annotations
+
+from typing import Optional
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", "must be an integer >= 1")
+        if not 0.0 <= self.temperature <= 2.0:
+            bad("temperature", "must be in [0, 2]")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if self.top_k < -1:
+            bad("top_k", "must be -1 or 0 (disabled) or >= 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad("max_tokens", "must be >= 1")
+        if self.min_tokens < 0:
+            bad("min_tokens", "must be >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be non-negative token ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
