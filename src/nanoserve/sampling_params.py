@@ -33,6 +33,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             bad("top_k", "must be -1 or 0 (disabled) or >= 1")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", "must be in [0, 1]")
+        if self.n > 1 and self.greedy:
+            bad("n", "must be 1 with greedy sampling (temperature 0): every sample would be the same")
         if self.max_tokens is not None and self.max_tokens < 1:
             bad("max_tokens", "must be >= 1")
         if self.min_tokens < 0:

@@ -149,7 +149,7 @@ def _load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         except Exception as exc:
             raise ModelLoadError(f"{path}: cannot dequantize {tensor.name} ({qtype.name}): {exc}") from None
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
-        weight = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).reshape(shape)
+        weight = torch.from_numpy(np.array(array, dtype=np.float32)).reshape(shape)  # owned, writable
         if config.architecture == "llama":
             if hf_name.endswith("q_proj.weight"):
                 weight = unpermute_qk(weight, config.num_heads)

@@ -1,0 +1,1 @@
+"""Benchmark commands (`nanoserve bench ...`): each measures nanoserve against a baseline side by side in one run."""

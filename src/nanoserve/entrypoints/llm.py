@@ -1,0 +1,137 @@
+"""Offline API: `LLM(model).generate(prompts, params)` runs an in-process `EngineCore` until every
+prompt is done, with a tqdm progress bar, and returns vLLM-shaped `RequestOutput`s in prompt order."""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Optional, Sequence, Union
+
+import msgspec
+from tqdm import tqdm
+
+from nanoserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from nanoserve.engine.core import EngineCore
+from nanoserve.frontend.tokenizer import load_tokenizer
+from nanoserve.model.loader import default_model_path
+from nanoserve.outputs import CompletionOutput, RequestOutput
+from nanoserve.protocol import EngineCoreRequest
+from nanoserve.sampling_params import SamplingParams
+
+PromptType = Union[str, list[int], dict]
+
+
+class LLM:
+    def __init__(self, model: Optional[str] = None, dtype: str = "bfloat16", *, max_model_len: int = 0,
+                 max_num_seqs: int = 128, max_num_batched_tokens: int = 512, block_size: int = 16,
+                 kv_cache_memory: int = 2 << 30, num_kv_blocks: Optional[int] = None,
+                 enable_prefix_caching: bool = True, seed: int = 0, num_threads: Optional[int] = None):
+        self.model_path = model or default_model_path()
+        self.config = EngineConfig(
+            model=self.model_path, dtype=dtype, seed=seed, num_threads=num_threads,
+            cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
+                              kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                                      max_num_seqs=max_num_seqs, max_model_len=max_model_len))
+        self.engine = EngineCore(self.config)  # first: its errors name the model file most clearly
+        self.tokenizer = load_tokenizer(self.model_path)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # ------------------------------------------------------------------------------ generate
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        prompts = self._normalize_prompts(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
+
+        results: list[RequestOutput] = []
+        # Engine request id -> (result, sample index); n > 1 fans out into n engine requests.
+        owners: dict[str, tuple[RequestOutput, int]] = {}
+        for (text, ids), params in zip(prompts, sampling_params):
+            request_id = str(next(self._ids))
+            result = RequestOutput(request_id, text, ids)
+            results.append(result)
+            for k in range(params.n):
+                child = params if params.n == 1 else msgspec.structs.replace(
+                    params, n=1, seed=None if params.seed is None else params.seed + k)
+                child_id = request_id if params.n == 1 else f"{request_id}-{k}"
+                try:
+                    self.engine.add_request(EngineCoreRequest(child_id, ids, child, time.monotonic()))
+                except Exception:
+                    for other in owners:  # leave the engine as we found it
+                        self.engine.abort(other)
+                    raise
+                result.outputs.append(CompletionOutput(k, "", []))
+                owners[child_id] = (result, k)
+        self._run(owners, len(results), use_tqdm)
+        for result in results:
+            for out in result.outputs:
+                out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        return results
+
+    def _run(self, owners: dict[str, tuple[RequestOutput, int]], num_prompts: int, use_tqdm: bool) -> None:
+        bar = tqdm(total=num_prompts, desc="Generating", unit="prompt", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        start, num_out, pending = time.perf_counter(), 0, len(owners)
+        remaining = {id(r): len(r.outputs) for r, _ in owners.values()}
+        while pending:
+            for out in self.engine.step():
+                result, k = owners[out.request_id]
+                completion = result.outputs[k]
+                completion.token_ids.extend(out.new_token_ids)
+                num_out += len(out.new_token_ids)
+                result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens)
+                if out.finished:
+                    pending -= 1
+                    completion.finish_reason = str(out.finish_reason)
+                    completion.stop_reason = out.stop_reason
+                    remaining[id(result)] -= 1
+                    if remaining[id(result)] == 0:
+                        result.finished = True
+                        bar.update(1)
+            if use_tqdm:
+                bar.set_postfix_str(f"output {num_out / (time.perf_counter() - start):.1f} tok/s", refresh=False)
+        bar.close()
+
+    def _normalize_prompts(self, prompts) -> list[tuple[Optional[str], list[int]]]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        normalized = []
+        for p in prompts:
+            if isinstance(p, str):
+                normalized.append((p, self.tokenizer.encode(p, add_special_tokens=True)))
+            elif isinstance(p, dict) and "prompt_token_ids" in p:
+                normalized.append((p.get("prompt"), list(p["prompt_token_ids"])))
+            elif isinstance(p, dict) and "prompt" in p:
+                normalized.append((p["prompt"], self.tokenizer.encode(p["prompt"], add_special_tokens=True)))
+            elif isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p):
+                normalized.append((None, list(p)))
+            else:
+                raise TypeError(f"unsupported prompt {p!r}: use a string, a list of token ids, or "
+                                "a dict with 'prompt' or 'prompt_token_ids'")
+        return normalized
+
+    # ---------------------------------------------------------------------------------- chat
+    def chat(self, messages: Union[list[dict], list[list[dict]]],
+             sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: Optional[dict] = None) -> list[RequestOutput]:
+        """Applies the model's chat template to one conversation or a list of them, then generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conv in conversations:
+            text = self.tokenizer.apply_chat_template(
+                conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                **(chat_template_kwargs or {}))
+            # The template already holds any BOS token; do not add special tokens twice.
+            prompts.append({"prompt": text,
+                            "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)

@@ -1,0 +1,1 @@
+"""Frontend (API-process side): tokenizer, detokenization and output assembly."""
