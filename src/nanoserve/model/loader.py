@@ -167,7 +167,13 @@ def hf_config(cfg: dict, path: str) -> ModelConfig:
     if arch is None:
         raise ModelLoadError(f"{path}: unsupported architecture {archs or cfg.get('model_type')!r} "
                              f"(supported: {', '.join(HF_ARCHITECTURES)})")
-    rope_scaling = cfg.get("rope_scaling")
+    # transformers >= 5 writes `rope_parameters` (theta and scaling together); older configs write
+    # `rope_theta` and `rope_scaling`.
+    rope_params = cfg.get("rope_parameters") or {}
+    rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+    rope_scaling = cfg.get("rope_scaling") or {k: v for k, v in rope_params.items() if k != "rope_theta"}
+    if rope_scaling.get("rope_type", rope_scaling.get("type", "default")) == "default":
+        rope_scaling = None
     if rope_scaling:
         rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -181,7 +187,7 @@ def hf_config(cfg: dict, path: str) -> ModelConfig:
         intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
         num_heads=num_heads, num_kv_heads=cfg.get("num_key_value_heads", num_heads),
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=cfg.get("rope_theta", 10000.0),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(rope_theta),
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         attention_bias=cfg.get("attention_bias", arch == "qwen2"), qk_norm=arch == "qwen3",
