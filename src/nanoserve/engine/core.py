@@ -25,12 +25,15 @@ class PromptTooLongError(ValueError):
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, loaded_model=None):
+        """`loaded_model`: an already built `(ModelConfig, model)` to share weights between engines
+        (tests); by default the model is loaded from `config.model`."""
         self.config = config
         torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         torch.manual_seed(config.seed)
         sched_cfg = config.scheduler
-        self.model_config, model = build_model(config.model, config.dtype, sched_cfg.max_model_len)
+        self.model_config, model = loaded_model or build_model(config.model, config.dtype,
+                                                               sched_cfg.max_model_len)
         self.max_model_len = sched_cfg.max_model_len or self.model_config.max_position_embeddings
         cache = config.cache
         per_block = kv_bytes_per_block(self.model_config, cache.block_size, DTYPES[config.dtype])
