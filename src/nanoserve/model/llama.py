@@ -110,3 +110,5 @@ class LlamaForCausalLM(nn.Module):
             own[f"layers.{i}.input_layernorm.weight"] = state[p + "input_layernorm.weight"]
             own[f"layers.{i}.post_attention_layernorm.weight"] = state[p + "post_attention_layernorm.weight"]
         self.load_state_dict(own, strict=True)
+        if cfg.tie_word_embeddings:  # one tensor, not two copies of the vocabulary matrix
+            self.lm_head.weight = self.embed_tokens.weight

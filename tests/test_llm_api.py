@@ -1,0 +1,116 @@
+"""The offline `LLM` API and the engine's request handling on SmolLM2: prompt forms, per-prompt params,
+vLLM-shaped outputs, n > 1, seeds, stop tokens, context limits, and `SamplingParams` validation."""
+import subprocess
+import sys
+
+import pytest
+
+from nanoserve import LLM, CompletionOutput, RequestOutput, SamplingParams
+from nanoserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from nanoserve.engine.core import EngineCore, PromptTooLongError
+from nanoserve.protocol import EngineCoreRequest, FinishReason
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+
+
+def test_prompt_forms_give_the_same_output(smollm_llm, smollm_tokenizer):
+    ids = smollm_tokenizer.encode("The capital of France is")
+    by_text = smollm_llm.generate("The capital of France is", GREEDY, use_tqdm=False)
+    by_ids = smollm_llm.generate(ids, GREEDY, use_tqdm=False)
+    by_list = smollm_llm.generate([ids, ids], GREEDY, use_tqdm=False)
+    by_dict = smollm_llm.generate([{"prompt_token_ids": ids}], GREEDY, use_tqdm=False)
+    assert len(by_text) == len(by_ids) == len(by_dict) == 1 and len(by_list) == 2
+    ref = by_text[0].outputs[0].token_ids
+    for out in [by_ids[0], by_list[0], by_list[1], by_dict[0]]:
+        assert out.outputs[0].token_ids == ref
+    assert by_text[0].prompt == "The capital of France is" and by_ids[0].prompt is None
+    assert by_text[0].prompt_token_ids == ids
+
+
+def test_output_shape_and_per_prompt_params(smollm_llm):
+    outs = smollm_llm.generate(["Hello", "Goodbye"], [GREEDY, SamplingParams(temperature=0, max_tokens=3)],
+                               use_tqdm=False)
+    assert all(isinstance(o, RequestOutput) and o.finished for o in outs)
+    first, second = outs[0].outputs[0], outs[1].outputs[0]
+    assert isinstance(first, CompletionOutput) and first.index == 0
+    assert len(second.token_ids) == 3 and second.finish_reason == "length"
+    assert first.text == smollm_llm.get_tokenizer().decode(first.token_ids, skip_special_tokens=True)
+    assert first.logprobs is None and second.stop_reason is None
+    with pytest.raises(ValueError):
+        smollm_llm.generate(["a", "b"], [GREEDY], use_tqdm=False)
+
+
+def test_seeded_sampling_is_reproducible_and_n_samples(smollm_llm):
+    params = SamplingParams(temperature=1.0, seed=1234, max_tokens=12, n=3, ignore_eos=True)
+    a = smollm_llm.generate("Write a word:", params, use_tqdm=False)[0]
+    b = smollm_llm.generate(["Another prompt", "Write a word:"], params, use_tqdm=False)[1]
+    assert [o.index for o in a.outputs] == [0, 1, 2]
+    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert len({tuple(o.token_ids) for o in a.outputs}) > 1  # independent samples
+
+
+def test_stop_token_ids_and_eos(smollm_llm, smollm_tokenizer):
+    ref = smollm_llm.generate("The capital of France is", GREEDY, use_tqdm=False)[0].outputs[0]
+    stop = ref.token_ids[2]
+    out = smollm_llm.generate("The capital of France is",
+                              SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop]),
+                              use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ref.token_ids[:3]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    chat = smollm_llm.chat([{"role": "user", "content": "Say only: yes"}],
+                           SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)[0].outputs[0]
+    assert chat.finish_reason == "stop" and chat.token_ids[-1] in smollm_llm.engine.eos_token_ids
+    assert "<|im_end|>" not in chat.text
+
+
+def _small_context_engine(llm, max_model_len=32):
+    cfg = EngineConfig(model=llm.model_path, dtype="float32", cache=CacheConfig(num_blocks=16),
+                       scheduler=SchedulerConfig(max_model_len=max_model_len))
+    return EngineCore(cfg, loaded_model=(llm.engine.model_config, llm.engine.runner.model))
+
+
+def test_prompt_too_long_and_max_tokens_clamped(smollm_llm):
+    engine = _small_context_engine(smollm_llm)
+    with pytest.raises(PromptTooLongError, match="32 tokens.*40 tokens"):
+        engine.add_request(EngineCoreRequest("long", list(range(100, 140)), GREEDY))
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request(EngineCoreRequest("bad", [10**6], GREEDY))
+    engine.add_request(EngineCoreRequest("ok", list(range(100, 120)),
+                                         SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)))
+    tokens, reason = [], None
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens += o.new_token_ids
+            reason = o.finish_reason
+    assert len(tokens) == 12 and reason is FinishReason.LENGTH  # 20 + 12 = max_model_len
+
+
+def test_abort_frees_blocks(smollm_llm):
+    engine = _small_context_engine(smollm_llm, max_model_len=256)
+    engine.add_request(EngineCoreRequest("a", list(range(100, 150)),
+                                         SamplingParams(temperature=0, max_tokens=100)))
+    engine.step()
+    assert engine.block_manager.num_free_blocks < 16
+    assert engine.abort("a") and not engine.abort("a")
+    assert engine.block_manager.num_free_blocks == 16 and not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("field,value", [
+    ("n", 0), ("temperature", -0.1), ("temperature", 2.5), ("top_p", 0.0), ("top_p", 1.5),
+    ("top_k", -2), ("min_p", 1.5), ("max_tokens", 0), ("min_tokens", -1), ("stop_token_ids", [-1]),
+])
+def test_sampling_params_validation(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_greedy_with_n_rejected():
+    with pytest.raises(ValueError, match="n"):
+        SamplingParams(n=2, temperature=0)
+
+
+def test_cli_generate():
+    proc = subprocess.run([sys.executable, "-m", "nanoserve", "generate", "The capital of France is",
+                           "--max-tokens", "4"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
