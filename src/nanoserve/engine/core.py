@@ -14,7 +14,7 @@ from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.model_runner import ModelRunner, kv_bytes_per_block
 from nanoserve.engine.request import Request
 from nanoserve.engine.scheduler import Scheduler
-from nanoserve.model.registry import DTYPES, build_model
+from nanoserve.model.registry import build_model
 from nanoserve.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class EngineCore:
                                                                sched_cfg.max_model_len)
         self.max_model_len = sched_cfg.max_model_len or self.model_config.max_position_embeddings
         cache = config.cache
-        per_block = kv_bytes_per_block(self.model_config, cache.block_size, DTYPES[config.dtype])
+        per_block = kv_bytes_per_block(self.model_config, cache.block_size)
         num_blocks = cache.num_blocks or max(1, cache.kv_cache_memory // per_block)
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched_cfg, self.block_manager)

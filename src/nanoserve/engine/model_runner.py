@@ -14,9 +14,11 @@ from nanoserve.sample.metadata import SamplingMetadata
 from nanoserve.sample.sampler import Sampler
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    elem = torch.empty(0, dtype=dtype).element_size()
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * block_size * elem
+KV_DTYPE = torch.float32  # activations and KV stay float32 whatever the weights' dtype
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int) -> int:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * block_size * KV_DTYPE.itemsize
 
 
 class ModelRunner:
@@ -24,9 +26,8 @@ class ModelRunner:
         self.model = model
         self.config = model.config
         self.block_size = block_size
-        self.dtype = model.embed_tokens.weight.dtype
         cfg = self.config
-        self.kv_caches = [KVCache(cfg.num_kv_heads, num_blocks * block_size, cfg.head_dim, self.dtype)
+        self.kv_caches = [KVCache(cfg.num_kv_heads, num_blocks * block_size, cfg.head_dim, KV_DTYPE)
                           for _ in range(cfg.num_layers)]
         self.sampler = Sampler(torch.Generator().manual_seed(seed))
         self.generators: dict[str, torch.Generator] = {}  # request id -> its seeded generator

@@ -1,5 +1,6 @@
-"""Building blocks of a Llama-family decoder: RMSNorm, rotary embeddings (default, linear, llama3
-scaling), and attention that writes to and reads from the paged KV cache through block tables."""
+"""Building blocks of a Llama-family decoder: linear layers with float32 or bfloat16 weights, RMSNorm,
+rotary embeddings (default, linear, llama3 scaling), and attention that writes to and reads from the
+paged KV cache through block tables. Activations and the KV cache are always float32."""
 from __future__ import annotations
 
 import math
@@ -11,6 +12,31 @@ import torch.nn.functional as F
 from torch import nn
 
 
+class Linear(nn.Module):
+    """y = x W^T (+ b) on float32 activations; the weight is stored in float32 or bfloat16.
+
+    bfloat16 weights halve the bytes streamed from memory, which is what bounds a decode step with few
+    rows. Steps with more rows upcast the weight and use the float32 GEMM instead: on CPUs without
+    native bfloat16 arithmetic (AVX2) PyTorch's bfloat16 GEMM is several times slower than float32."""
+
+    SMALL_STEP_ROWS = 4
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if w.dtype == x.dtype:
+            return F.linear(x, w, self.bias)
+        if x.shape[0] <= self.SMALL_STEP_ROWS:
+            y = F.linear(x.to(w.dtype), w).to(x.dtype)
+        else:
+            y = F.linear(x, w.to(x.dtype))
+        return y if self.bias is None else y + self.bias
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -18,10 +44,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict]) -> torch.Tensor:
@@ -46,8 +69,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict]) -> torch
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputes cos/sin for every position once; `forward` rotates q and k in place of HF's
-    `rotate_half` convention (first half / second half of each head)."""
+    """Precomputed cos/sin for every position, in Hugging Face's `rotate_half` convention (the two
+    halves of each head are the pair that rotates). `lookup` runs once per step; `apply` per layer."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: Optional[dict]):
         super().__init__()
@@ -57,16 +80,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # q: (T, H, D), k: (T, KVH, D)
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # (T, 1, D)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, 1, D) cos and sin for the step's positions."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: (T, heads, D); q and k heads may be rotated together in one call."""
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
 
 
 @dataclass
@@ -90,6 +113,8 @@ class AttentionMetadata:
     decode_slots: Optional[torch.Tensor] = None  # (Bd, Tmax) cache slots of each decode's context
     decode_bias: Optional[torch.Tensor] = None  # (1, Bd, 1, Tmax) 0 / -inf padding mask
     prefills: list[PrefillSeq] = field(default_factory=list)
+    rope_cos: Optional[torch.Tensor] = None  # (T, 1, D), filled by the model once per step
+    rope_sin: Optional[torch.Tensor] = None
 
 
 class KVCache:
@@ -116,7 +141,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     nd = meta.num_decodes
     if nd:
         # (KVH, Bd, G, D): heads of one KV group are consecutive in HF's layout.
-        qd = q[:nd].view(nd, num_kv_heads, group, head_dim).transpose(0, 1)
+        qd = q[:nd].reshape(nd, num_kv_heads, group, head_dim).transpose(0, 1)
         shape = (num_kv_heads, nd, meta.decode_slots.shape[1], head_dim)
         flat = meta.decode_slots.view(-1)
         keys = torch.index_select(cache.k, 1, flat).view(shape)  # (KVH, Bd, Tmax, D)

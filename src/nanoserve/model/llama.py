@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.config import ModelConfig
-from nanoserve.model.layers import AttentionMetadata, KVCache, RMSNorm, RotaryEmbedding, paged_attention
+from nanoserve.model.layers import AttentionMetadata, KVCache, Linear, RMSNorm, RotaryEmbedding, paged_attention
 
 
 class Attention(nn.Module):
@@ -17,8 +17,8 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         # q, k and v projections fused into one matmul.
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -28,13 +28,13 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.reshape(n, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(meta.positions, q, k)
+            qk = torch.cat([self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])], 1)
+        qk = rope.apply(qk, meta.rope_cos, meta.rope_sin)  # q and k heads rotated together
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         return self.o_proj(paged_attention(q, k, v, cache, meta, self.scale))
 
 
@@ -42,8 +42,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -70,14 +70,15 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, caches: list[KVCache],
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids: (T,). Returns float32 logits (len(logits_indices), vocab)."""
-        x = self.embed_tokens(input_ids)
+        meta.rope_cos, meta.rope_sin = self.rope.lookup(meta.positions)
+        x = self.embed_tokens(input_ids).float()
         for layer, cache in zip(self.layers, caches):
             x = layer(x, self.rope, cache, meta)
         x = self.norm(x[logits_indices])
