@@ -14,9 +14,9 @@ from nanoserve.sampling_params import SamplingParams
 
 class RunnerDriver:
     def __init__(self, path: str, dtype: str = "float32", block_size: int = 16, num_blocks: int = 256,
-                 prefix_caching: bool = True, model=None):
+                 prefix_caching: bool = True, model=None, use_kernels: bool = True):
         self.config, model = (model.config, model) if model is not None else build_model(path, dtype)
-        self.runner = ModelRunner(model, num_blocks, block_size)
+        self.runner = ModelRunner(model, num_blocks, block_size, use_kernels=use_kernels)
         self.bm = BlockManager(num_blocks, block_size, prefix_caching)
         self._n = 0
 

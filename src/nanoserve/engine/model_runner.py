@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from nanoserve import kernels
 from nanoserve.config import ModelConfig
 from nanoserve.engine.request import Request
 from nanoserve.engine.scheduler import SchedulerOutput
@@ -22,7 +23,8 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, seed: int = 0):
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, seed: int = 0,
+                 use_kernels: bool = True):
         self.model = model
         self.config = model.config
         self.block_size = block_size
@@ -30,6 +32,7 @@ class ModelRunner:
         self.kv_caches = [KVCache(cfg.num_kv_heads, num_blocks * block_size, cfg.head_dim, KV_DTYPE)
                           for _ in range(cfg.num_layers)]
         self.sampler = Sampler(torch.Generator().manual_seed(seed))
+        self.decode_kernel = kernels.load() if use_kernels else None
         self.generators: dict[str, torch.Generator] = {}  # request id -> its seeded generator
 
     def remove_request(self, request_id: str) -> None:
@@ -96,6 +99,10 @@ class ModelRunner:
             table[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
         pos = torch.arange(max_ctx)
         meta.decode_slots = table[:, pos // bs] * bs + pos % bs  # (Bd, Tmax)
+        meta.decode_ctx_lens = ctx
+        meta.decode_kernel = self.decode_kernel
+        if self.decode_kernel is not None:
+            return
         bias = torch.zeros(len(reqs), max_ctx, dtype=torch.float32)
         bias.masked_fill_(pos.unsqueeze(0) >= ctx.unsqueeze(1), float("-inf"))
         meta.decode_bias = bias.view(1, len(reqs), 1, max_ctx)

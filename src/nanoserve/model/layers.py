@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from nanoserve import kernels
 
 
 class Linear(nn.Module):
@@ -112,6 +114,8 @@ class AttentionMetadata:
     num_decodes: int = 0
     decode_slots: Optional[torch.Tensor] = None  # (Bd, Tmax) cache slots of each decode's context
     decode_bias: Optional[torch.Tensor] = None  # (1, Bd, 1, Tmax) 0 / -inf padding mask
+    decode_ctx_lens: Optional[torch.Tensor] = None  # (Bd,) context length of each decode
+    decode_kernel: Any = None  # the compiled C decode-attention library, when available
     prefills: list[PrefillSeq] = field(default_factory=list)
     rope_cos: Optional[torch.Tensor] = None  # (T, 1, D), filled by the model once per step
     rope_sin: Optional[torch.Tensor] = None
@@ -139,7 +143,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
 
     nd = meta.num_decodes
-    if nd:
+    if nd and meta.decode_kernel is not None:
+        out[:nd] = kernels.decode_attention(meta.decode_kernel, q[:nd], cache.k, cache.v,
+                                            meta.decode_slots, meta.decode_ctx_lens, scale)
+    elif nd:
         # (KVH, Bd, G, D): heads of one KV group are consecutive in HF's layout.
         qd = q[:nd].reshape(nd, num_kv_heads, group, head_dim).transpose(0, 1)
         shape = (num_kv_heads, nd, meta.decode_slots.shape[1], head_dim)
