@@ -16,7 +16,7 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--max-model-len", type=int, default=0)
     ap.add_argument("--max-num-seqs", type=int, default=128)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--kv-cache-memory", type=float, default=2.0, help="KV cache budget in GiB")
     ap.add_argument("--num-kv-blocks", type=int, default=None, help="fixed KV block count (overrides memory)")

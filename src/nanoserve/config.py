@@ -39,7 +39,7 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     max_model_len: int = 0  # 0: the model's own context length
 

@@ -68,7 +68,7 @@ def main(argv=None) -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--decode-len", type=int, default=256, help="output tokens of the batch-1 run")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--workloads", default="batch,single", help="which of batch,single to run")
     ap.add_argument("--skip-baseline", action="store_true")
     args = ap.parse_args(argv)

@@ -22,7 +22,7 @@ PromptType = Union[str, list[int], dict]
 
 class LLM:
     def __init__(self, model: Optional[str] = None, dtype: str = "bfloat16", *, max_model_len: int = 0,
-                 max_num_seqs: int = 128, max_num_batched_tokens: int = 512, block_size: int = 16,
+                 max_num_seqs: int = 128, max_num_batched_tokens: int = 2048, block_size: int = 16,
                  kv_cache_memory: int = 2 << 30, num_kv_blocks: Optional[int] = None,
                  enable_prefix_caching: bool = True, seed: int = 0, num_threads: Optional[int] = None):
         self.model_path = model or default_model_path()
