@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from nanoserve.model.loader import ModelLoadError, load_model_weights
 from nanoserve.model.registry import build_model
@@ -117,3 +118,18 @@ def test_cli_reports_one_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"nanoserve: error: {bad}: not a readable GGUF file "
                                                 "(GGUF magic invalid)"]
+
+
+def test_gguf_conversion_cache_round_trip(tmp_path, monkeypatch, smollm_path):
+    """The cached float32 conversion gives the same config and weights; a damaged entry is rebuilt."""
+    monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path))
+    fresh_cfg, fresh = load_model_weights(smollm_path)
+    (entry,) = (tmp_path / "weights").iterdir()
+    cached_cfg, cached = load_model_weights(smollm_path)
+    assert cached_cfg == fresh_cfg and cached.keys() == fresh.keys()
+    for name in ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+                 "model.layers.29.mlp.down_proj.weight"]:
+        assert torch.equal(cached[name], fresh[name])
+    entry.write_bytes(b"damaged")
+    again_cfg, again = load_model_weights(smollm_path)
+    assert again_cfg == fresh_cfg and torch.equal(again["model.norm.weight"], fresh["model.norm.weight"])

@@ -3,17 +3,10 @@ a GGUF file through `transformers` (slow: it rebuilds a BPE tokenizer from the G
 result is cached on disk keyed by the file's size and modification time."""
 from __future__ import annotations
 
-import hashlib
 import os
 
+from nanoserve.cache import cache_dir, file_key
 from nanoserve.model.loader import ModelLoadError
-
-
-def _cache_dir(gguf_path: str) -> str:
-    st = os.stat(gguf_path)
-    key = hashlib.sha256(f"{os.path.abspath(gguf_path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    root = os.environ.get("NANOSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "nanoserve")
-    return os.path.join(root, "tokenizers", f"{os.path.basename(gguf_path)}-{key}")
 
 
 def load_tokenizer(model_path: str):
@@ -22,7 +15,7 @@ def load_tokenizer(model_path: str):
     try:
         if os.path.isdir(model_path):
             return AutoTokenizer.from_pretrained(model_path)
-        cache = _cache_dir(model_path)
+        cache = os.path.join(cache_dir("tokenizers"), f"{os.path.basename(model_path)}-{file_key(model_path)}")
         if os.path.isfile(os.path.join(cache, "tokenizer.json")):
             return AutoTokenizer.from_pretrained(cache)
         tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(model_path)),

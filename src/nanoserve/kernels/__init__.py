@@ -13,15 +13,12 @@ from typing import Optional
 
 import torch
 
+from nanoserve.cache import cache_dir
+
 logger = logging.getLogger(__name__)
 _SOURCE = os.path.join(os.path.dirname(__file__), "decode_attention.c")
 _lib: Optional[ctypes.CDLL] = None
 _tried = False
-
-
-def _cache_dir() -> str:
-    root = os.environ.get("NANOSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "nanoserve")
-    return os.path.join(root, "kernels")
 
 
 def load() -> Optional[ctypes.CDLL]:
@@ -34,10 +31,10 @@ def load() -> Optional[ctypes.CDLL]:
         return None
     with open(_SOURCE, "rb") as f:
         digest = hashlib.sha256(f.read() + os.uname().machine.encode()).hexdigest()[:16]
-    path = os.path.join(_cache_dir(), f"decode_attention-{digest}.so")
+    path = os.path.join(cache_dir("kernels"), f"decode_attention-{digest}.so")
     try:
         if not os.path.isfile(path):
-            os.makedirs(_cache_dir(), exist_ok=True)
+            os.makedirs(cache_dir("kernels"), exist_ok=True)
             cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
             tmp = f"{path}.{os.getpid()}.tmp"
             subprocess.run([*cc.split(), "-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros",

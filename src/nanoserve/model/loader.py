@@ -3,6 +3,7 @@ and one float state dict under Hugging Face tensor names. Every failure is a `Mo
 names the file and the problem."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -11,6 +12,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from nanoserve.cache import cache_dir, file_key
 from nanoserve.config import ModelConfig
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -127,7 +129,38 @@ def unpermute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.transpose(1, 2).reshape(weight.shape)
 
 
+# Bump when the GGUF -> state dict conversion changes, so that cached conversions are rebuilt.
+GGUF_CONVERSION_VERSION = "1"
+
+
 def _load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Reading and dequantizing a GGUF file takes ~10 s for the default model (most of it parsing the
+    vocabulary); the float32 result is cached as safetensors and memory-mapped on later starts."""
+    from safetensors.torch import load_file, save_file
+
+    cached = os.path.join(cache_dir("weights"),
+                          f"{os.path.basename(path)}-{file_key(path, GGUF_CONVERSION_VERSION)}.safetensors")
+    if os.path.isfile(cached):
+        try:
+            with open(cached, "rb") as f:
+                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+            fields = json.loads(header["__metadata__"]["model_config"])
+            fields["eos_token_ids"] = tuple(fields["eos_token_ids"])
+            return ModelConfig(**fields), load_file(cached)
+        except Exception:  # a damaged cache entry is rebuilt below
+            pass
+    config, state = _convert_gguf(path)
+    try:
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
+        tmp = f"{cached}.{os.getpid()}.tmp"
+        save_file(state, tmp, metadata={"model_config": json.dumps(dataclasses.asdict(config))})
+        os.replace(tmp, cached)
+    except OSError:
+        pass  # no writable cache: the next start converts again
+    return config, state
+
+
+def _convert_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     import gguf
 
     try:
@@ -231,5 +264,4 @@ def _load_hf_dir(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
 
 def _replace(config: ModelConfig, **changes) -> ModelConfig:
-    import dataclasses
     return dataclasses.replace(config, **changes)
