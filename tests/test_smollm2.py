@@ -91,6 +91,7 @@ def test_preemption_does_not_change_output(smollm_llm, smollm_tokenizer):
     # Each request needs up to 3 blocks of 16: 9 blocks hold about 3 at a time.
     small = _engine(smollm_llm, num_blocks=9, block_size=16)
     out = _run(small, prompts, params)
+    assert small.scheduler.num_preemptions > 0
     assert small.block_manager.num_free_blocks == 9
     assert out == ref
 
@@ -125,3 +126,32 @@ def test_prefix_cache_reports_cached_tokens(smollm_llm, smollm_tokenizer):
     assert cached["b"] == (common // 16) * 16 > 0
     assert cached["a2"] == ((len(a) - 1) // 16) * 16
     assert toks["a2"] == first[0]
+
+
+def _run_mixed(engine, requests):
+    """requests: list of (prompt ids, params); returns the tokens of each, in order."""
+    for i, (p, params) in enumerate(requests):
+        engine.add_request(EngineCoreRequest(str(i), p, params))
+    tokens = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return [tokens[str(i)] for i in range(len(requests))]
+
+
+def test_seeded_request_same_alone_in_batch_and_after_preemption(smollm_llm, smollm_tokenizer):
+    prompts = _batch_prompts(smollm_tokenizer, 8)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=40, seed=42, max_tokens=24, ignore_eos=True)
+    others = [SamplingParams(temperature=0.8 + 0.1 * i, min_p=0.05 * (i % 2), max_tokens=20, ignore_eos=True)
+              for i in range(8)]
+    target = smollm_tokenizer.encode("Tell me a story about a dragon")
+    alone = _run_mixed(_engine(smollm_llm, num_blocks=256), [(target, seeded)])[0]
+    for row in (0, 5):
+        batch = [(p, o) for p, o in zip(prompts, others)]
+        batch.insert(row, (target, seeded))
+        assert _run_mixed(_engine(smollm_llm, num_blocks=256), batch)[row] == alone
+    # A pool of 6 blocks of 16 forces preemption and recomputation among 9 requests.
+    small = _engine(smollm_llm, num_blocks=6, block_size=16)
+    batch = [(target, seeded)] + [(p, o) for p, o in zip(prompts, others)]
+    assert _run_mixed(small, batch)[0] == alone
+    assert small.scheduler.num_preemptions > 0

@@ -118,7 +118,7 @@ class ModelRunner:
         logits = self.model(input_ids, meta, self.kv_caches, logits_rows)
         reqs = [sched.requests[i] for i in sample_reqs]
         generators = {row: g for row, r in enumerate(reqs) if (g := self._generator(r)) is not None}
-        md = SamplingMetadata.build([r.params for r in reqs], generators)
+        md = SamplingMetadata.build([r.params for r in reqs], generators, self.config.vocab_size)
         for i, token in zip(sample_reqs, self.sampler(logits, md).tolist()):
             sampled[i] = token
         return sampled

@@ -35,6 +35,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the last is preempted first
         self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0  # since start, for tests and metrics
 
     # ---------------------------------------------------------------------------- bookkeeping
     def add_request(self, req: Request) -> None:
@@ -67,6 +68,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     # -------------------------------------------------------------------------------- schedule
