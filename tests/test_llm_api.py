@@ -114,3 +114,36 @@ def test_cli_generate():
                            "--max-tokens", "4"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
+
+
+def test_logit_bias_allowed_tokens_and_min_tokens_on_the_model(smollm_llm, smollm_tokenizer):
+    forced = smollm_tokenizer.encode(" banana")[0]
+    out = smollm_llm.generate("The capital of France is",
+                              SamplingParams(temperature=0, max_tokens=4, logit_bias={forced: 100}),
+                              use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [forced] * 4
+    allowed = smollm_tokenizer.encode(" yes no maybe")
+    out = smollm_llm.generate("Answer:", SamplingParams(temperature=1.0, seed=3, max_tokens=12,
+                                                        allowed_token_ids=allowed), use_tqdm=False)[0]
+    assert set(out.outputs[0].token_ids) <= set(allowed)
+    chat = [{"role": "user", "content": "Say only: yes"}]
+    short = smollm_llm.chat(chat, SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)[0].outputs[0]
+    eos = smollm_llm.engine.eos_token_ids
+    assert len(short.token_ids) < 20 and short.token_ids[-1] in eos
+    longer = smollm_llm.chat(chat, SamplingParams(temperature=0, max_tokens=64, min_tokens=30),
+                             use_tqdm=False)[0].outputs[0]
+    assert len(longer.token_ids) >= 30 and not set(longer.token_ids[:30]) & set(eos)
+    with pytest.raises(ValueError, match="logit_bias"):
+        smollm_llm.generate("x", SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
+
+
+def test_repetition_penalty_lowers_repetition(smollm_llm):
+    def repeated_share(params):
+        ids = smollm_llm.generate("List of fruits: apple, banana,", params, use_tqdm=False)[0].outputs[0].token_ids
+        return sum(t in ids[:i] for i, t in enumerate(ids)) / len(ids)
+
+    base = repeated_share(SamplingParams(temperature=0, max_tokens=96, ignore_eos=True))
+    penalized = repeated_share(SamplingParams(temperature=0, max_tokens=96, ignore_eos=True,
+                                              repetition_penalty=1.5))
+    print(f"share of repeated tokens: {base:.2f} without, {penalized:.2f} with repetition_penalty=1.5")
+    assert penalized < base - 0.1

@@ -100,3 +100,60 @@ def test_seeded_row_is_independent_of_the_batch():
     others = torch.randn(6, 500, generator=g)
     mixed = draw(torch.cat([others[:3], row, others[3:]]), 3)
     assert alone == mixed
+
+
+def test_penalties_equal_per_row_reference_and_counts_are_incremental():
+    from nanoserve.sample.penalties import PenaltyState, apply_penalties
+
+    g = torch.Generator().manual_seed(5)
+    vocab = 50
+    state = PenaltyState(vocab, initial_rows=2)  # grows while rows are added
+    prompts = [torch.randint(0, vocab, (12,), generator=g).tolist() for _ in range(4)]
+    rows = [state.row(str(i), p, []) for i, p in enumerate(prompts)]
+    outputs = [[] for _ in prompts]
+    for _ in range(30):  # tokens recorded one step at a time, as the runner does
+        tokens = torch.randint(0, vocab, (4,), generator=g)
+        state.record(torch.tensor(rows), tokens)
+        for o, t in zip(outputs, tokens.tolist()):
+            o.append(t)
+    for r, o in zip(rows, outputs):
+        assert torch.equal(state.output_counts[r], torch.bincount(torch.tensor(o), minlength=vocab).int())
+    logits = torch.randn(4, vocab, generator=g) * 4
+    rep, freq, pres = torch.tensor([1.0, 1.5, 0.7, 2.0]), torch.tensor([0.0, 0.5, -0.3, 1.2]), \
+        torch.tensor([0.0, 1.0, 0.4, -1.5])
+    idx = torch.tensor(rows)
+    out = apply_penalties(logits, state.prompt_mask[idx], state.output_counts[idx], rep, freq, pres)
+    for i in range(4):
+        for t in range(vocab):
+            x = logits[i, t].item()
+            if t in prompts[i] or t in outputs[i]:
+                x = x / rep[i].item() if x > 0 else x * rep[i].item()
+            c = outputs[i].count(t)
+            x -= freq[i].item() * c + pres[i].item() * (c > 0)
+            assert abs(out[i, t].item() - x) < 1e-5
+    state.remove("0")
+    assert state.row("new", [1], []) == rows[0]  # rows are reused
+
+
+def test_processors_bias_allowed_and_min_tokens():
+    logits = torch.zeros(3, 10)
+    params = [SamplingParams(temperature=0, logit_bias={7: 100.0}),
+              SamplingParams(temperature=0, allowed_token_ids=[2, 3]),
+              SamplingParams(temperature=0, min_tokens=5, stop_token_ids=[4])]
+    logits[1, 9] = 5.0
+    logits[2, 0] = logits[2, 4] = 10.0  # token 0 is EOS here
+    md = SamplingMetadata.build(params, {}, 10, num_output_tokens=[0, 0, 2], eos_token_ids=(0,))
+    out = Sampler()(logits, md)
+    assert out[0] == 7 and out[1] in (2, 3) and out[2] not in (0, 4)
+    md = SamplingMetadata.build(params, {}, 10, num_output_tokens=[0, 0, 5], eos_token_ids=(0,))
+    assert Sampler()(logits, md)[2] in (0, 4)  # min_tokens reached: EOS allowed again
+
+
+def test_new_fields_validated():
+    import pytest
+
+    for field, value in [("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0),
+                         ("logit_bias", {-1: 1.0}), ("allowed_token_ids", []), ("allowed_token_ids", [-5])]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**{field: value})
+    assert SamplingParams(logit_bias={3: 500}).logit_bias == {3: 100.0}

@@ -14,6 +14,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     top_k: int = 0
     min_p: float = 0.0
     seed: Optional[int] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Optional[dict[int, float]] = None  # token id -> bias, clamped to [-100, 100]
+    allowed_token_ids: Optional[list[int]] = None
     max_tokens: Optional[int] = 16
     min_tokens: int = 0
     stop_token_ids: list[int] = []
@@ -33,6 +38,19 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             bad("top_k", "must be -1 or 0 (disabled) or >= 1")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", "must be in [0, 1]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if not self.repetition_penalty > 0.0:
+            bad("repetition_penalty", "must be > 0")
+        if self.logit_bias is not None:
+            if any(not isinstance(t, int) or t < 0 for t in self.logit_bias):
+                bad("logit_bias", "keys must be non-negative token ids")
+            self.logit_bias = {t: min(100.0, max(-100.0, float(b))) for t, b in self.logit_bias.items()}
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)):
+            bad("allowed_token_ids", "must be a non-empty list of token ids")
         if self.n > 1 and self.greedy:
             bad("n", "must be 1 with greedy sampling (temperature 0): every sample would be the same")
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -43,6 +61,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative token ids")
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def token_ids_used(self) -> list[int]:
+        """Every token id the parameters name, for a range check against the vocabulary."""
+        return [*self.stop_token_ids, *(self.logit_bias or ()), *(self.allowed_token_ids or ())]
 
     @property
     def greedy(self) -> bool:

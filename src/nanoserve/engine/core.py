@@ -63,6 +63,10 @@ class EngineCore:
         if any(t < 0 or t >= vocab for t in request.prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         params = request.sampling_params
+        for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
+            ids = getattr(params, name) or ()
+            if any(t >= vocab for t in ids):
+                raise ValueError(f"{name} must hold token ids in [0, {vocab})")
         room = limit - prompt_len
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         self.scheduler.add_request(Request(request.request_id, request.prompt_token_ids, params,

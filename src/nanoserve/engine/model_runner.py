@@ -12,6 +12,7 @@ from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.model.layers import AttentionMetadata, KVCache, PrefillSeq
 from nanoserve.model.llama import LlamaForCausalLM
 from nanoserve.sample.metadata import SamplingMetadata
+from nanoserve.sample.penalties import PenaltyState
 from nanoserve.sample.sampler import Sampler
 
 
@@ -34,9 +35,11 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator().manual_seed(seed))
         self.decode_kernel = kernels.load() if use_kernels else None
         self.generators: dict[str, torch.Generator] = {}  # request id -> its seeded generator
+        self.penalties = PenaltyState(cfg.vocab_size)
 
     def remove_request(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        self.penalties.remove(request_id)
 
     def _generator(self, req: Request) -> torch.Generator | None:
         if req.params.seed is None:
@@ -118,7 +121,14 @@ class ModelRunner:
         logits = self.model(input_ids, meta, self.kv_caches, logits_rows)
         reqs = [sched.requests[i] for i in sample_reqs]
         generators = {row: g for row, r in enumerate(reqs) if (g := self._generator(r)) is not None}
-        md = SamplingMetadata.build([r.params for r in reqs], generators, self.config.vocab_size)
-        for i, token in zip(sample_reqs, self.sampler(logits, md).tolist()):
+        penalty_rows = {row: self.penalties.row(r.request_id, r.prompt_token_ids, r.output_token_ids)
+                        for row, r in enumerate(reqs) if r.params.has_penalties}
+        md = SamplingMetadata.build([r.params for r in reqs], generators, self.config.vocab_size,
+                                    [r.num_output_tokens for r in reqs], self.config.eos_token_ids,
+                                    penalty_rows)
+        tokens = self.sampler(logits, md, self.penalties)
+        if md.penalty_rows is not None:
+            self.penalties.record(md.penalty_state_rows, tokens[md.penalty_rows])
+        for i, token in zip(sample_reqs, tokens.tolist()):
             sampled[i] = token
         return sampled

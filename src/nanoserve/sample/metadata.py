@@ -1,5 +1,6 @@
 """`SamplingMetadata`: the per-batch tensors the sampler needs, built once per step from the rows'
-`SamplingParams`. Stages no row uses are left as None so that the sampler skips them."""
+`SamplingParams` and a few per-request numbers. Stages no row uses are left as None so that the
+sampler skips them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -20,21 +21,70 @@ class SamplingMetadata:
     min_p: Optional[torch.Tensor] = None  # (B,) float32, 0.0 where disabled
     # Row index -> that request's own generator; rows without one use the engine's generator.
     generators: dict[int, torch.Generator] = field(default_factory=dict)
+    # allowed_token_ids: batch rows and their (A, V) masks of allowed tokens.
+    allowed_rows: Optional[torch.Tensor] = None
+    allowed_mask: Optional[torch.Tensor] = None
+    # (row, token) pairs banned this step: EOS and stop tokens of rows still below min_tokens.
+    banned: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    # logit_bias as (row, token, bias) triples.
+    bias: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+    # Penalties: batch rows that use them, their rows in the `PenaltyState`, and the three values.
+    penalty_rows: Optional[torch.Tensor] = None
+    penalty_state_rows: Optional[torch.Tensor] = None
+    repetition: Optional[torch.Tensor] = None
+    frequency: Optional[torch.Tensor] = None
+    presence: Optional[torch.Tensor] = None
 
     @classmethod
-    def build(cls, params: list[SamplingParams], generators: dict[int, torch.Generator],
-              vocab_size: int) -> "SamplingMetadata":
+    def build(cls, params: list[SamplingParams], generators: dict[int, torch.Generator], vocab_size: int,
+              num_output_tokens: Optional[list[int]] = None, eos_token_ids: tuple[int, ...] = (),
+              penalty_state_rows: Optional[dict[int, int]] = None) -> "SamplingMetadata":
+        """`penalty_state_rows`: batch row -> `PenaltyState` row, for the rows with penalties."""
         greedy = [p.greedy for p in params]
-        if all(greedy):
-            return cls(None, None, True)
-        temperature = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
-                                   dtype=torch.float32)
-        mask = torch.tensor(greedy) if any(greedy) else None
-        top_k = top_p = min_p = None
+        md = cls(None, None, all(greedy))
+        md._build_processors(params, vocab_size, num_output_tokens or [0] * len(params), eos_token_ids,
+                             penalty_state_rows or {})
+        if md.all_greedy:
+            return md
+        md.temperature = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
+                                      dtype=torch.float32)
+        md.greedy_mask = torch.tensor(greedy) if any(greedy) else None
         if any(p.top_k > 0 for p in params):
-            top_k = torch.tensor([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params])
+            md.top_k = torch.tensor([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params])
         if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+            md.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
         if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
-        return cls(temperature, mask, False, top_k, top_p, min_p, generators)
+            md.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+        md.generators = generators
+        return md
+
+    def _build_processors(self, params, vocab_size, num_output_tokens, eos_token_ids, penalty_rows) -> None:
+        allowed = [(i, p.allowed_token_ids) for i, p in enumerate(params) if p.allowed_token_ids]
+        if allowed:
+            self.allowed_rows = torch.tensor([i for i, _ in allowed])
+            self.allowed_mask = torch.zeros(len(allowed), vocab_size, dtype=torch.bool)
+            for j, (_, ids) in enumerate(allowed):
+                self.allowed_mask[j, ids] = True
+        ban_rows, ban_tokens = [], []
+        for i, (p, n) in enumerate(zip(params, num_output_tokens)):
+            if n < p.min_tokens:
+                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+                ban_rows += [i] * len(stops)
+                ban_tokens += sorted(stops)
+        if ban_rows:
+            self.banned = (torch.tensor(ban_rows), torch.tensor(ban_tokens))
+        triples = [(i, t, b) for i, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items()]
+        if triples:
+            rows, tokens, values = zip(*triples)
+            self.bias = (torch.tensor(rows), torch.tensor(tokens), torch.tensor(values, dtype=torch.float32))
+        if penalty_rows:
+            batch_rows = sorted(penalty_rows)
+            self.penalty_rows = torch.tensor(batch_rows)
+            self.penalty_state_rows = torch.tensor([penalty_rows[i] for i in batch_rows])
+            self.repetition = torch.tensor([params[i].repetition_penalty for i in batch_rows])
+            self.frequency = torch.tensor([params[i].frequency_penalty for i in batch_rows])
+            self.presence = torch.tensor([params[i].presence_penalty for i in batch_rows])
+
+    @property
+    def has_processors(self) -> bool:
+        return any(x is not None for x in (self.allowed_rows, self.banned, self.bias, self.penalty_rows))

@@ -1,8 +1,10 @@
 """`Sampler`: samples one token for every row of a batch in one chain of tensor operations, in vLLM's
-order: greedy rows take the argmax; the others are scaled by their own temperature, filtered by min_p,
-then by top-k and top-p (one sort for the whole batch, each row its own thresholds), and drawn by the
-exponential race `argmax(p / q)`, `q ~ Exp(1)`, which picks token i with probability p_i and lets
-seeded rows draw their noise from their own generator. Stages no row uses are skipped."""
+order: allowed tokens -> min_tokens (EOS and stop tokens banned) and logit_bias -> repetition,
+frequency and presence penalties -> greedy rows take the argmax; the others are scaled by their own
+temperature, filtered by min_p, then by top-k and top-p (one sort for the whole batch, each row its
+own thresholds), and drawn by the exponential race `argmax(p / q)`, `q ~ Exp(1)`, which picks token i
+with probability p_i and lets seeded rows draw their noise from their own generator. Stages no row
+uses are skipped."""
 from __future__ import annotations
 
 from typing import Optional
@@ -10,6 +12,7 @@ from typing import Optional
 import torch
 
 from nanoserve.sample.metadata import SamplingMetadata
+from nanoserve.sample.penalties import PenaltyState, apply_penalties
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -39,12 +42,35 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def apply_processors(logits: torch.Tensor, md: SamplingMetadata,
+                     penalties: Optional[PenaltyState]) -> torch.Tensor:
+    """The logits processors that also apply to greedy rows, in vLLM's order."""
+    logits = logits.clone()
+    if md.allowed_rows is not None:
+        rows = logits[md.allowed_rows]
+        logits[md.allowed_rows] = rows.masked_fill(~md.allowed_mask, float("-inf"))
+    if md.banned is not None:
+        logits[md.banned] = float("-inf")
+    if md.bias is not None:
+        rows, tokens, values = md.bias
+        logits.index_put_((rows, tokens), values, accumulate=True)
+    if md.penalty_rows is not None:
+        state_rows = md.penalty_state_rows
+        logits[md.penalty_rows] = apply_penalties(
+            logits[md.penalty_rows], penalties.prompt_mask[state_rows], penalties.output_counts[state_rows],
+            md.repetition, md.frequency, md.presence)
+    return logits
+
+
 class Sampler:
     def __init__(self, generator: Optional[torch.Generator] = None):
         self.generator = generator or torch.Generator().manual_seed(0)
 
-    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata,
+                 penalties: Optional[PenaltyState] = None) -> torch.Tensor:
         """logits: (B, V) float32. Returns (B,) int64 token ids."""
+        if md.has_processors:
+            logits = apply_processors(logits, md, penalties)
         if md.all_greedy:
             return logits.argmax(dim=-1)
         greedy = logits.argmax(dim=-1) if md.greedy_mask is not None else None
