@@ -147,3 +147,45 @@ def test_repetition_penalty_lowers_repetition(smollm_llm):
                                               repetition_penalty=1.5))
     print(f"share of repeated tokens: {base:.2f} without, {penalized:.2f} with repetition_penalty=1.5")
     assert penalized < base - 0.1
+
+
+def test_raw_logprobs_equal_log_softmax_of_the_model(smollm_llm, smollm_hf, smollm_tokenizer):
+    import torch
+
+    prompt = smollm_tokenizer.encode("The three primary colors are")
+    out = smollm_llm.generate(prompt, SamplingParams(temperature=0.8, seed=5, max_tokens=6, logprobs=5),
+                              use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 6
+    with torch.inference_mode():
+        ref = torch.log_softmax(smollm_hf(torch.tensor([prompt + out.token_ids])).logits[0].float(), -1)
+    total = 0.0
+    for i, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        row = ref[len(prompt) - 1 + i]
+        assert abs(entry[token].logprob - row[token].item()) < 1e-3
+        assert entry[token].rank == int((row > row[token]).sum()) + 1
+        top = sorted((lp for t, lp in entry.items() if lp.rank <= 5), key=lambda lp: lp.rank)
+        values = [lp.logprob for lp in top]
+        assert values == sorted(values, reverse=True) and len(top) == 5
+        assert top[0].logprob >= entry[token].logprob
+        if entry[token].rank <= 5:
+            assert top[entry[token].rank - 1].logprob == entry[token].logprob
+        assert entry[token].decoded_token == smollm_tokenizer.decode([token])
+        total += entry[token].logprob
+    assert abs(out.cumulative_logprob - total) < 1e-6
+    assert smollm_llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].logprobs is None
+
+
+def test_processed_logprobs_follow_temperature(smollm_llm):
+    engine = _small_context_engine(smollm_llm, max_model_len=256)
+    engine.runner.logprobs_mode = "processed"
+    prompt = list(range(300, 320))
+    for rid, temp in [("hot", 0.5), ("greedy", 0.0)]:
+        engine.add_request(EngineCoreRequest(rid, prompt, SamplingParams(temperature=temp, seed=1,
+                                                                         max_tokens=1, logprobs=2)))
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id] = o.new_logprobs[0]
+    # Dividing the logits by 0.5 sharpens the distribution: the top token's logprob rises towards 0.
+    assert outs["hot"].top_logprobs[0] > outs["greedy"].top_logprobs[0]
+    assert outs["hot"].top_token_ids[0] == outs["greedy"].top_token_ids[0]

@@ -50,5 +50,8 @@ class EngineConfig:
     dtype: str = "bfloat16"
     seed: int = 0
     num_threads: Optional[int] = None
+    # "raw": logprobs of the model's distribution (vLLM V1's default); "processed": of the distribution
+    # actually sampled from (after penalties, temperature, min_p, top-k/top-p).
+    logprobs_mode: str = "raw"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -7,13 +7,22 @@ from typing import Optional, Union
 
 
 @dataclass
+class Logprob:
+    logprob: float
+    rank: int  # 1 = the most likely token
+    decoded_token: Optional[str] = None
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     finish_reason: Optional[str] = None  # "stop", "length" or "abort"
     stop_reason: Union[int, str, None] = None
-    logprobs: Optional[list] = None
+    # One dict per generated token: {token id: Logprob} for the chosen token and the top-N.
+    logprobs: Optional[list[dict[int, Logprob]]] = None
+    cumulative_logprob: Optional[float] = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

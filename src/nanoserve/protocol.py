@@ -27,6 +27,14 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     arrival_time: float = 0.0
 
 
+class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """Log-probability of one generated token, its rank (1 = most likely), and the top-N tokens."""
+    logprob: float
+    rank: int
+    top_token_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     request_id: str
     new_token_ids: list[int]
@@ -34,6 +42,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # The stop token id that ended the request, when one did.
     stop_reason: Union[int, None] = None
     num_cached_tokens: int = 0
+    new_logprobs: Optional[list[TokenLogprobs]] = None  # one per new token, when requested
 
     @property
     def finished(self) -> bool:

@@ -6,6 +6,8 @@ from typing import Optional
 
 import msgspec
 
+MAX_LOGPROBS = 20
+
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     n: int = 1
@@ -19,6 +21,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     repetition_penalty: float = 1.0
     logit_bias: Optional[dict[int, float]] = None  # token id -> bias, clamped to [-100, 100]
     allowed_token_ids: Optional[list[int]] = None
+    logprobs: Optional[int] = None  # top-N alternatives per generated token (0: the chosen one only)
     max_tokens: Optional[int] = 16
     min_tokens: int = 0
     stop_token_ids: list[int] = []
@@ -51,6 +54,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.allowed_token_ids is not None and (
                 not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)):
             bad("allowed_token_ids", "must be a non-empty list of token ids")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
         if self.n > 1 and self.greedy:
             bad("n", "must be 1 with greedy sampling (temperature 0): every sample would be the same")
         if self.max_tokens is not None and self.max_tokens < 1:

@@ -40,7 +40,8 @@ class EngineCore:
         num_blocks = cache.num_blocks or max(1, cache.kv_cache_memory // per_block)
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched_cfg, self.block_manager)
-        self.runner = ModelRunner(model, num_blocks, cache.block_size, config.seed)
+        self.runner = ModelRunner(model, num_blocks, cache.block_size, config.seed,
+                                  logprobs_mode=config.logprobs_mode)
         self.capacity_tokens = num_blocks * cache.block_size
         logger.info("KV cache: %d blocks of %d tokens (%.0f MiB)", num_blocks, cache.block_size,
                     num_blocks * per_block / 2**20)
@@ -87,7 +88,8 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if not sched.requests:
             return []
-        sampled = self.runner.execute(sched)
+        sampled, logprobs = self.runner.execute(sched)
+        by_id = {sched.requests[i].request_id: lp for i, lp in logprobs.items()}
         outputs = []
         for req in self.scheduler.update_from_output(sched, sampled):
             finished = req.is_finished
@@ -95,7 +97,8 @@ class EngineCore:
                 self.runner.remove_request(req.request_id)
             outputs.append(EngineCoreOutput(
                 req.request_id, [req.output_token_ids[-1]], req.finish_reason if finished else None,
-                req.stop_reason, max(req.num_cached_tokens, 0)))
+                req.stop_reason, max(req.num_cached_tokens, 0),
+                [by_id[req.request_id]] if req.request_id in by_id else None))
         return outputs
 
     def stats(self) -> dict:

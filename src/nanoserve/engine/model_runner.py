@@ -12,6 +12,7 @@ from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.model.layers import AttentionMetadata, KVCache, PrefillSeq
 from nanoserve.model.llama import LlamaForCausalLM
 from nanoserve.sample.metadata import SamplingMetadata
+from nanoserve.protocol import TokenLogprobs
 from nanoserve.sample.penalties import PenaltyState
 from nanoserve.sample.sampler import Sampler
 
@@ -23,9 +24,28 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * block_size * KV_DTYPE.itemsize
 
 
+def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int],
+                    num_top: list[int]) -> list[TokenLogprobs]:
+    """Logprob and rank of each row's chosen token, and its top-N alternatives, in one batched pass."""
+    index = torch.tensor(rows)
+    logprobs = torch.log_softmax(logits[index], dim=-1)  # (L, V)
+    chosen = logprobs.gather(1, tokens[index].unsqueeze(1))  # (L, 1)
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    k = max(num_top)
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], tokens[index][:, None][:, :0])
+    out = []
+    for j, n in enumerate(num_top):
+        out.append(TokenLogprobs(chosen[j, 0].item(), int(ranks[j]), top_ids[j, :n].tolist(),
+                                 top_values[j, :n].tolist()))
+    return out
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, seed: int = 0,
-                 use_kernels: bool = True):
+                 use_kernels: bool = True, logprobs_mode: str = "raw"):
+        if logprobs_mode not in ("raw", "processed"):
+            raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
+        self.logprobs_mode = logprobs_mode
         self.model = model
         self.config = model.config
         self.block_size = block_size
@@ -110,14 +130,14 @@ class ModelRunner:
         bias.masked_fill_(pos.unsqueeze(0) >= ctx.unsqueeze(1), float("-inf"))
         meta.decode_bias = bias.view(1, len(reqs), 1, max_ctx)
 
-    def execute(self, sched: SchedulerOutput) -> list[int | None]:
+    def execute(self, sched: SchedulerOutput) -> tuple[list[int | None], dict[int, TokenLogprobs]]:
         """Runs one step; returns the sampled token of each scheduled request (None for chunks that
-        did not reach the end of the prompt)."""
+        did not reach the end of the prompt) and, by request index, logprobs where asked for."""
         input_ids, meta, logits_rows, sample_reqs = self.prepare(sched)
         sampled: list[int | None] = [None] * len(sched)
         if not sample_reqs:
             self.model(input_ids, meta, self.kv_caches, logits_rows)
-            return sampled
+            return sampled, {}
         logits = self.model(input_ids, meta, self.kv_caches, logits_rows)
         reqs = [sched.requests[i] for i in sample_reqs]
         generators = {row: g for row, r in enumerate(reqs) if (g := self._generator(r)) is not None}
@@ -126,9 +146,14 @@ class ModelRunner:
         md = SamplingMetadata.build([r.params for r in reqs], generators, self.config.vocab_size,
                                     [r.num_output_tokens for r in reqs], self.config.eos_token_ids,
                                     penalty_rows)
-        tokens = self.sampler(logits, md, self.penalties)
+        tokens, processed = self.sampler.sample(logits, md, self.penalties)
         if md.penalty_rows is not None:
             self.penalties.record(md.penalty_state_rows, tokens[md.penalty_rows])
         for i, token in zip(sample_reqs, tokens.tolist()):
             sampled[i] = token
-        return sampled
+        want = [row for row, r in enumerate(reqs) if r.params.logprobs is not None]
+        if not want:
+            return sampled, {}
+        source = logits if self.logprobs_mode == "raw" else processed
+        found = gather_logprobs(source, tokens, want, [reqs[row].params.logprobs for row in want])
+        return sampled, {sample_reqs[row]: lp for row, lp in zip(want, found)}

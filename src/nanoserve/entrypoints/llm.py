@@ -13,7 +13,7 @@ from nanoserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from nanoserve.engine.core import EngineCore
 from nanoserve.frontend.tokenizer import load_tokenizer
 from nanoserve.model.loader import default_model_path
-from nanoserve.outputs import CompletionOutput, RequestOutput
+from nanoserve.outputs import CompletionOutput, Logprob, RequestOutput
 from nanoserve.protocol import EngineCoreRequest
 from nanoserve.sampling_params import SamplingParams
 
@@ -24,10 +24,11 @@ class LLM:
     def __init__(self, model: Optional[str] = None, dtype: str = "bfloat16", *, max_model_len: int = 0,
                  max_num_seqs: int = 128, max_num_batched_tokens: int = 2048, block_size: int = 16,
                  kv_cache_memory: int = 2 << 30, num_kv_blocks: Optional[int] = None,
-                 enable_prefix_caching: bool = True, seed: int = 0, num_threads: Optional[int] = None):
+                 enable_prefix_caching: bool = True, seed: int = 0, num_threads: Optional[int] = None,
+                 logprobs_mode: str = "raw"):
         self.model_path = model or default_model_path()
         self.config = EngineConfig(
-            model=self.model_path, dtype=dtype, seed=seed, num_threads=num_threads,
+            model=self.model_path, dtype=dtype, seed=seed, num_threads=num_threads, logprobs_mode=logprobs_mode,
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                               kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
@@ -74,6 +75,9 @@ class LLM:
         for result in results:
             for out in result.outputs:
                 out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+                for entry in out.logprobs or ():
+                    for token, lp in entry.items():
+                        lp.decoded_token = self.tokenizer.decode([token])
         return results
 
     def _run(self, owners: dict[str, tuple[RequestOutput, int]], num_prompts: int, use_tqdm: bool) -> None:
@@ -86,6 +90,14 @@ class LLM:
                 result, k = owners[out.request_id]
                 completion = result.outputs[k]
                 completion.token_ids.extend(out.new_token_ids)
+                for token, lp in zip(out.new_token_ids, out.new_logprobs or ()):
+                    entry = {t: Logprob(v, rank) for rank, (t, v) in
+                             enumerate(zip(lp.top_token_ids, lp.top_logprobs), start=1)}
+                    entry[token] = Logprob(lp.logprob, lp.rank)
+                    if completion.logprobs is None:
+                        completion.logprobs, completion.cumulative_logprob = [], 0.0
+                    completion.logprobs.append(entry)
+                    completion.cumulative_logprob += lp.logprob
                 num_out += len(out.new_token_ids)
                 result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens)
                 if out.finished:

@@ -69,20 +69,27 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata,
                  penalties: Optional[PenaltyState] = None) -> torch.Tensor:
         """logits: (B, V) float32. Returns (B,) int64 token ids."""
+        return self.sample(logits, md, penalties)[0]
+
+    def sample(self, logits: torch.Tensor, md: SamplingMetadata, penalties: Optional[PenaltyState] = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns the sampled ids and the processed logits they were drawn from (greedy rows: after
+        the processors, without temperature or truncation)."""
         if md.has_processors:
             logits = apply_processors(logits, md, penalties)
         if md.all_greedy:
-            return logits.argmax(dim=-1)
+            return logits.argmax(dim=-1), logits
         greedy = logits.argmax(dim=-1) if md.greedy_mask is not None else None
-        logits = logits / md.temperature.unsqueeze(1)
+        processed = logits / md.temperature.unsqueeze(1)
         if md.min_p is not None:
-            logits = apply_min_p(logits, md.min_p)
-        logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
-        probs = torch.softmax(logits, dim=-1)
+            processed = apply_min_p(processed, md.min_p)
+        processed = apply_top_k_top_p(processed, md.top_k, md.top_p)
+        probs = torch.softmax(processed, dim=-1)
         sampled = (probs / self.exponential_noise(probs, md)).argmax(dim=-1)
         if greedy is not None:
             sampled = torch.where(md.greedy_mask, greedy, sampled)
-        return sampled
+            processed = torch.where(md.greedy_mask.unsqueeze(1), logits, processed)
+        return sampled, processed
 
     def exponential_noise(self, probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         q = torch.empty_like(probs)
