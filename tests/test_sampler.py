@@ -157,3 +157,10 @@ def test_new_fields_validated():
         with pytest.raises(ValueError, match=field):
             SamplingParams(**{field: value})
     assert SamplingParams(logit_bias={3: 500}).logit_bias == {3: 100.0}
+
+
+def test_bench_sampler_runs_both_paths():
+    from nanoserve.bench.sampler import bench_chain
+
+    batched, looped = bench_chain(batch=6, vocab=300, repeats=2)
+    assert batched > 0 and looped > 0

@@ -84,8 +84,8 @@ def main(argv=None) -> None:
     chat.add_argument("--system", default=None)
     _engine_args(chat)
     _sampling_args(chat)
-    bench = sub.add_parser("bench", help="benchmarks: offline")
-    bench.add_argument("which", choices=["offline"])
+    bench = sub.add_parser("bench", help="benchmarks: offline, sampler")
+    bench.add_argument("which", choices=["offline", "sampler"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
 
@@ -96,9 +96,12 @@ def main(argv=None) -> None:
             cmd_generate(args)
         elif args.command == "chat":
             cmd_chat(args)
-        elif args.command == "bench":
+        elif args.command == "bench" and args.which == "offline":
             from nanoserve.bench import offline
             offline.main(args.rest)
+        elif args.command == "bench":
+            from nanoserve.bench import sampler
+            sampler.main(args.rest)
     except ModelLoadError as exc:
         print(f"nanoserve: error: {exc}", file=sys.stderr)
         sys.exit(2)
