@@ -19,14 +19,15 @@ def _reference_row(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     if p.top_k > 0:
         kth = torch.sort(row, descending=True).values[min(p.top_k, row.numel()) - 1]
         row = torch.where(row < kth, torch.tensor(NEG), row)
-    if p.top_p < 1:
-        values, order = torch.sort(row)
-        cumulative = torch.softmax(values, -1).cumsum(-1)
-        keep = [True] * row.numel()
-        for j in range(row.numel() - 1):  # drop from the least likely while the dropped mass <= 1 - p
-            if cumulative[j] <= 1 - p.top_p:
-                keep[order[j]] = False
-        row = torch.where(torch.tensor(keep), row, torch.tensor(NEG))
+    if p.top_p < 1:  # keep a token while the mass of the tokens ranked above it is below p
+        lse = torch.logsumexp(row, -1)
+        values, order = torch.sort(row, descending=True)
+        probs = torch.exp(values - lse)
+        above = probs.cumsum(-1) - probs
+        keep = [bool(above[j] < p.top_p) or j == 0 for j in range(row.numel())]
+        dropped = order[[not x for x in keep]]
+        row = row.clone()
+        row[dropped] = NEG
     return row
 
 
@@ -164,3 +165,20 @@ def test_bench_sampler_runs_both_paths():
 
     batched, looped = bench_chain(batch=6, vocab=300, repeats=2)
     assert batched > 0 and looped > 0
+
+
+def test_top_k_top_p_fall_back_to_a_full_sort_when_candidates_are_not_enough():
+    vocab = 5000
+    flat = torch.zeros(3, vocab)  # uniform: 1024 candidates hold ~20% of the mass
+    g = torch.Generator().manual_seed(9)
+    flat[0] = torch.randn(vocab, generator=g) * 0.01  # distinct values: top-p has one right answer
+    flat[2] = torch.randn(vocab, generator=g) * 0.01
+    params = [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.0, top_k=3),
+              SamplingParams(temperature=1.0, top_p=0.5)]
+    md = SamplingMetadata.build(params, {}, vocab_size=vocab)
+    out = apply_top_k_top_p(flat, md.top_k, md.top_p)
+    for i, p in enumerate(params):
+        ref = _reference_row(flat[i], p)
+        assert torch.equal(torch.isinf(out[i]), torch.isinf(ref)), i
+    assert (~torch.isinf(out[1])).sum() == vocab  # a tie at the k-th value keeps every tied token
+    assert 4000 < (~torch.isinf(out[0])).sum() < 5000

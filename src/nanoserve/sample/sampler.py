@@ -22,24 +22,60 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+TOP_CANDIDATES = 1024  # top-k/top-p look at this many best tokens per row before any full sort
+
+
 def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
                       top_p: Optional[torch.Tensor]) -> torch.Tensor:
-    """One ascending sort for the whole batch. top-k keeps tokens whose logit is at least the row's
-    k-th largest (ties at the threshold are kept); top-p then drops the least likely tokens while the
-    mass dropped stays at most 1 - p, always keeping the most likely one."""
+    """top-k keeps tokens whose logit is at least the row's k-th largest; top-p then keeps each token
+    while the probability of the tokens ranked above it is below p (so at least the best one).
+    Only rows that use either are touched. Instead of sorting the whole vocabulary, each row's best
+    TOP_CANDIDATES tokens are taken with `topk`; a row falls back to a full sort when the answer could
+    lie beyond them (the candidates hold less than p of the mass, or a tie at the k-th value spans
+    the candidate boundary)."""
     if top_k is None and top_p is None:
         return logits
-    sorted_logits, order = logits.sort(dim=-1)  # ascending
-    vocab = logits.shape[-1]
-    if top_k is not None:
-        kth = sorted_logits.gather(1, (vocab - top_k).clamp(min=0).unsqueeze(1))  # (B, 1)
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    if top_p is not None:
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        drop = cumulative <= (1.0 - top_p).unsqueeze(1)
-        drop[:, -1] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    batch, vocab = logits.shape
+    k = top_k if top_k is not None else torch.full((batch,), vocab)
+    p = top_p if top_p is not None else torch.ones(batch)
+    rows = ((k < vocab) | (p < 1.0)).nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return logits
+    sub, k, p = logits[rows], k[rows], p[rows]
+    cand = min(vocab, max(TOP_CANDIDATES, int(k[k < vocab].max()) if bool((k < vocab).any()) else 0))
+    kept, full = _truncate(sub, k, p, cand)
+    if cand < vocab and bool(full.any()):
+        redo = full.nonzero().squeeze(1)
+        kept[redo] = _truncate(sub[redo], k[redo], p[redo], vocab)[0]
+    out = logits.clone()
+    out[rows] = kept
+    return out
+
+
+def _truncate(sub: torch.Tensor, k: torch.Tensor, p: torch.Tensor, cand: int):
+    """Filters rows of `sub` looking at their `cand` best tokens; returns the filtered rows and which
+    rows need a full sort to be exact."""
+    vocab = sub.shape[-1]
+    values, order = sub.topk(cand, dim=-1)  # descending
+    k_on = k < vocab
+    kth = values.gather(1, (k - 1).clamp(max=cand - 1).unsqueeze(1))
+    kth = torch.where(k_on.unsqueeze(1), kth, torch.full_like(kth, float("-inf")))
+    masked = sub.masked_fill(sub < kth, float("-inf"))  # top-k on the whole row: ties are kept
+    lse = torch.logsumexp(masked, dim=-1, keepdim=True)
+    values = values.masked_fill(values < kth, float("-inf"))
+    probs = torch.exp(values - lse)
+    above = probs.cumsum(dim=-1) - probs
+    keep = (above < p.unsqueeze(1)) & (values > float("-inf"))
+    keep[:, 0] = True
+    needs_full = torch.zeros(sub.shape[0], dtype=torch.bool)
+    if cand < vocab:
+        tie_beyond = k_on & (values[:, -1] >= kth.squeeze(1))
+        # Without top-k the tokens past the candidates are live; they matter if the candidates hold < p.
+        mass_beyond = ~k_on & (probs.sum(dim=-1) < p)
+        needs_full = tie_beyond | mass_beyond
+    result = torch.full_like(sub, float("-inf"))
+    result.scatter_(1, order, values.masked_fill(~keep, float("-inf")))
+    return result, needs_full
 
 
 def apply_processors(logits: torch.Tensor, md: SamplingMetadata,
@@ -92,11 +128,13 @@ class Sampler:
         return sampled, processed
 
     def exponential_noise(self, probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        q = torch.empty_like(probs)
-        if len(md.generators) < probs.shape[0]:
-            q.exponential_(generator=self.generator)
+        """Exp(1) noise as -log(U), U ~ Uniform[0, 1): the same distribution as `exponential_`, about
+        four times faster on the CPU, and never 0 (U < 1), so `p / q` is never 0 / 0."""
+        batch, vocab = probs.shape
+        if len(md.generators) < batch:
+            q = torch.rand(batch, vocab, generator=self.generator)
+        else:
+            q = torch.empty(batch, vocab)
         for row, gen in md.generators.items():  # seeded rows: their own stream, whatever the batch
-            q[row].exponential_(generator=gen)
-        # NOTE: exponential_ can return exactly 0 (about once per 2^24 draws); 0/0 would be NaN and
-        # argmax picks NaN, i.e. a token of probability zero.
-        return q.clamp_(min=torch.finfo(q.dtype).tiny)
+            q[row] = torch.rand(vocab, generator=gen)
+        return q.log_().neg_()
