@@ -57,8 +57,7 @@ def run_transformers(model: str, dtype: str, prompts, output_len: int) -> float:
 
 
 def main(argv=None) -> None:
-    from nanoserve.model.loader import default_model_path
-    from nanoserve.model.registry import build_model  # noqa: F401  (fail early on a bad install)
+    from nanoserve.model.loader import default_model_path, load_model_weights
 
     ap = argparse.ArgumentParser(prog="nanoserve bench offline", description=__doc__)
     ap.add_argument("--model", default=None)
@@ -74,10 +73,9 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     model = args.model or default_model_path()
     torch.set_num_threads(os.cpu_count() or 1)
-    from transformers import AutoConfig  # noqa: F401
-
-    batch = _random_prompts(args.num_prompts, args.input_len, 49152 if args.model is None else 32000)
-    single = _random_prompts(1, 16, 49152 if args.model is None else 32000, seed=1)
+    vocab = load_model_weights(model)[0].vocab_size  # random prompts must stay inside the vocabulary
+    batch = _random_prompts(args.num_prompts, args.input_len, vocab)
+    single = _random_prompts(1, 16, vocab, seed=1)
     rows = []
     workloads = {"batch": (f"{args.num_prompts} prompts x {args.input_len} in, {args.output_len} out",
                            batch, args.output_len),

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 
 import torch
 
@@ -100,10 +99,3 @@ class EngineCore:
                 req.stop_reason, max(req.num_cached_tokens, 0),
                 [by_id[req.request_id]] if req.request_id in by_id else None))
         return outputs
-
-    def stats(self) -> dict:
-        bm = self.block_manager
-        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
-                "kv_cache_usage": bm.usage,
-                "prefix_cache_hit_rate": bm.num_hit_tokens / max(1, bm.num_queried_tokens),
-                "time": time.time()}

@@ -135,10 +135,9 @@ class ModelRunner:
         did not reach the end of the prompt) and, by request index, logprobs where asked for."""
         input_ids, meta, logits_rows, sample_reqs = self.prepare(sched)
         sampled: list[int | None] = [None] * len(sched)
-        if not sample_reqs:
-            self.model(input_ids, meta, self.kv_caches, logits_rows)
-            return sampled, {}
         logits = self.model(input_ids, meta, self.kv_caches, logits_rows)
+        if not sample_reqs:  # prefill chunks only: nothing to sample yet
+            return sampled, {}
         reqs = [sched.requests[i] for i in sample_reqs]
         generators = {row: g for row, r in enumerate(reqs) if (g := self._generator(r)) is not None}
         penalty_rows = {row: self.penalties.row(r.request_id, r.prompt_token_ids, r.output_token_ids)

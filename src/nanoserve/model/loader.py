@@ -248,7 +248,7 @@ def _load_hf_dir(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             eos = json.load(f).get("eos_token_id")
         if eos is not None:
             extra = tuple(eos) if isinstance(eos, list) else (eos,)
-            config = _replace(config, eos_token_ids=tuple(sorted(set(config.eos_token_ids) | set(extra))))
+            config = dataclasses.replace(config, eos_token_ids=tuple(sorted(set(config.eos_token_ids) | set(extra))))
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors weight files")
@@ -262,6 +262,3 @@ def _load_hf_dir(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         state.update({k: v.float() for k, v in tensors.items()})
     return config, state
 
-
-def _replace(config: ModelConfig, **changes) -> ModelConfig:
-    return dataclasses.replace(config, **changes)
