@@ -29,7 +29,7 @@ class RunnerDriver:
         for req, n in work:
             assert self.bm.allocate(req, n)
         sched = SchedulerOutput([r for r, _ in work], [n for _, n in work])
-        input_ids, meta, _, _ = self.runner.prepare(sched)
+        input_ids, meta, *_ = self.runner.prepare(sched)
         rows = torch.arange(len(input_ids))
         logits = self.runner.model(input_ids, meta, self.runner.kv_caches, rows)
         out, start = [], 0

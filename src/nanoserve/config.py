@@ -53,5 +53,6 @@ class EngineConfig:
     # "raw": logprobs of the model's distribution (vLLM V1's default); "processed": of the distribution
     # actually sampled from (after penalties, temperature, min_p, top-k/top-p).
     logprobs_mode: str = "raw"
+    max_logprobs: int = 20  # cap on logprobs / prompt_logprobs per request
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -36,3 +36,5 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    # With prompt_logprobs: None for the first prompt token, then one dict per prompt token.
+    prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None

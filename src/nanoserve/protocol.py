@@ -25,6 +25,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float = 0.0
+    # n > 1: the completions of one prompt share a parent id; the first one added computes the
+    # prompt, the others wait and take its KV blocks from the prefix cache.
+    parent_id: Optional[str] = None
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
@@ -43,6 +46,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     stop_reason: Union[int, None] = None
     num_cached_tokens: int = 0
     new_logprobs: Optional[list[TokenLogprobs]] = None  # one per new token, when requested
+    # With the first token, when requested: one entry per prompt token after the first.
+    prompt_logprobs: Optional[list[TokenLogprobs]] = None
 
     @property
     def finished(self) -> bool:

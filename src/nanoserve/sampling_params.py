@@ -1,12 +1,13 @@
-"""`SamplingParams`: what one request asks of the sampler and the stop logic, validated on
-construction with a `ValueError` that names the offending field."""
+"""`SamplingParams`: what one request asks of the sampler, the stop logic and the detokenizer,
+validated on construction with a `ValueError` that names the offending field. Text-valued fields
+(stop strings, bad words) are the frontend's; `for_engine()` strips them before a request crosses."""
 from __future__ import annotations
 
 from typing import Optional
 
 import msgspec
 
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # default cap on logprobs / prompt_logprobs (EngineConfig.max_logprobs)
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -22,10 +23,19 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logit_bias: Optional[dict[int, float]] = None  # token id -> bias, clamped to [-100, 100]
     allowed_token_ids: Optional[list[int]] = None
     logprobs: Optional[int] = None  # top-N alternatives per generated token (0: the chosen one only)
+    prompt_logprobs: Optional[int] = None  # the same for every prompt position after the first
     max_tokens: Optional[int] = 16
     min_tokens: int = 0
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    # Strings banned from the output; the frontend turns them into `bad_words_token_ids`.
+    bad_words: list[str] = []
+    bad_words_token_ids: list[list[int]] = []
+    # Frontend only: stop strings and detokenization.
+    stop: list[str] = []
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> None:
@@ -54,8 +64,18 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.allowed_token_ids is not None and (
                 not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)):
             bad("allowed_token_ids", "must be a non-empty list of token ids")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                bad(name, "must be an integer >= 0")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "must be a non-empty string or a list of them")
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            bad("bad_words", "must be a list of non-blank strings")
+        if any(not seq or any(not isinstance(t, int) or t < 0 for t in seq) for seq in self.bad_words_token_ids):
+            bad("bad_words_token_ids", "must be non-empty lists of token ids")
         if self.n > 1 and self.greedy:
             bad("n", "must be 1 with greedy sampling (temperature 0): every sample would be the same")
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -67,13 +87,20 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative token ids")
 
+    def for_engine(self) -> "SamplingParams":
+        """A copy without the text-valued fields, which never cross to the engine core."""
+        if not (self.stop or self.bad_words):
+            return self
+        return msgspec.structs.replace(self, stop=[], bad_words=[])
+
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def token_ids_used(self) -> list[int]:
         """Every token id the parameters name, for a range check against the vocabulary."""
-        return [*self.stop_token_ids, *(self.logit_bias or ()), *(self.allowed_token_ids or ())]
+        return [*self.stop_token_ids, *(self.logit_bias or ()), *(self.allowed_token_ids or ()),
+                *(t for seq in self.bad_words_token_ids for t in seq)]
 
     @property
     def greedy(self) -> bool:

@@ -1,15 +1,20 @@
 """`nanoserve bench sampler`: the batched sampling chain against a per-request loop doing the same
-work (one `Sampler` call per row), in one run, for several batch sizes over a real-size vocabulary with
-mixed parameters; then the share of an engine step spent sampling with 64 running requests."""
+work (one `Sampler` call per row), in one run, for several batch sizes over SmolLM2's real next-token
+logits (64 text prompts) with mixed parameters; then the share of an engine step spent sampling with
+64 running requests."""
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import torch
 
-from nanoserve.sample.metadata import SamplingMetadata
+from nanoserve.config import EngineConfig
+from nanoserve.engine.core import EngineCore
+from nanoserve.frontend.tokenizer import load_tokenizer
+from nanoserve.model.loader import default_model_path
+from nanoserve.protocol import EngineCoreRequest
+from nanoserve.sample.metadata import SamplingMetadata, allowed_token_mask
 from nanoserve.sample.penalties import PenaltyState
 from nanoserve.sample.sampler import Sampler
 from nanoserve.sampling_params import SamplingParams
@@ -35,37 +40,62 @@ def _timed(fn, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def bench_chain(batch: int, vocab: int, repeats: int) -> tuple[float, float]:
+TOPICS = ["the ocean", "a small robot", "the history of Rome", "baking bread", "a rainy day in Paris",
+          "quantum computers", "my grandmother's garden", "the first moon landing"]
+FORMS = ["Write a short story about {}.", "Explain {} to a child.", "Three facts about {}:",
+         "A poem about {}\n"]
+PROMPTS = [form.format(topic) for form in FORMS for topic in TOPICS]
+
+
+def model_logits(engine, tokenizer, num: int) -> torch.Tensor:
+    """The model's next-token logits after `num` real text prompts (a real distribution is peaked;
+    random logits are not, and would send every top-p row to the full-sort fallback)."""
+    captured = []
+    sampler = engine.runner.sampler
+    original = sampler.sample
+    sampler.sample = lambda logits, *a, **k: (captured.append(logits.clone()), original(logits, *a, **k))[1]
+    for i in range(num):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+                                             add_generation_prompt=True, tokenize=False)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        engine.add_request(EngineCoreRequest(f"capture-{i}", list(ids), SamplingParams(temperature=0, max_tokens=1)))
+    while engine.has_unfinished():
+        engine.step()
+    sampler.sample = original
+    return torch.cat(captured)[:num]
+
+
+def bench_chain(all_logits: torch.Tensor, batch: int, repeats: int) -> tuple[float, float]:
     g = torch.Generator().manual_seed(batch)
-    logits = torch.randn(batch, vocab, generator=g) * 3
+    logits = all_logits[:batch].contiguous()
+    vocab = logits.shape[1]
     params = mixed_params(batch, vocab)
     state = PenaltyState(vocab)
     penalty_rows = {i: state.row(str(i), torch.randint(0, vocab, (64,), generator=g).tolist(), [])
                     for i, p in enumerate(params) if p.has_penalties}
     gens = {i: torch.Generator().manual_seed(i) for i, p in enumerate(params) if p.seed is not None}
-    outputs = [2] * batch
+    outputs = [[3, 4]] * batch
+    # Like the engine: a request's allowed-token mask is built once and kept.
+    masks = {i: allowed_token_mask(p, vocab) for i, p in enumerate(params) if p.allowed_token_ids}
     sampler = Sampler(torch.Generator().manual_seed(0))
 
     def batched():
-        md = SamplingMetadata.build(params, gens, vocab, outputs, (0,), penalty_rows)
+        md = SamplingMetadata.build(params, gens, vocab, eos_token_ids=(0,), penalty_state_rows=penalty_rows,
+                                    output_token_ids=outputs, allowed_masks=masks)
         sampler.sample(logits, md, state)
 
     def per_request():
         for i, p in enumerate(params):
-            rows = {0: penalty_rows[i]} if i in penalty_rows else {}
-            md = SamplingMetadata.build([p], {0: gens[i]} if i in gens else {}, vocab, [2], (0,), rows)
+            md = SamplingMetadata.build([p], {0: gens[i]} if i in gens else {}, vocab, eos_token_ids=(0,),
+                                        penalty_state_rows={0: penalty_rows[i]} if i in penalty_rows else {},
+                                        output_token_ids=[outputs[i]],
+                                        allowed_masks={0: masks[i]} if i in masks else {})
             sampler.sample(logits[i:i + 1], md, state)
 
     return _timed(batched, repeats), _timed(per_request, max(1, repeats // 4))
 
 
-def engine_sampling_share(num_requests: int, steps: int) -> float:
-    from nanoserve.config import EngineConfig
-    from nanoserve.engine.core import EngineCore
-    from nanoserve.model.loader import default_model_path
-    from nanoserve.protocol import EngineCoreRequest
-
-    engine = EngineCore(EngineConfig(model=default_model_path()))
+def engine_sampling_share(engine, num_requests: int, steps: int) -> float:
     vocab = engine.model_config.vocab_size
     for i, p in enumerate(mixed_params(num_requests, vocab)):
         p.max_tokens, p.ignore_eos = steps + 8, True
@@ -93,18 +123,19 @@ def engine_sampling_share(num_requests: int, steps: int) -> float:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="nanoserve bench sampler", description=__doc__)
-    ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--batch-sizes", default="1,16,64")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--engine-requests", type=int, default=64)
     ap.add_argument("--engine-steps", type=int, default=16)
     args = ap.parse_args(argv)
-    torch.set_num_threads(os.cpu_count() or 1)
+    engine = EngineCore(EngineConfig(model=default_model_path(), dtype="float32"))
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    logits = model_logits(engine, load_tokenizer(default_model_path()), max(sizes))
     print("| rows | batched chain (ms/step) | per-request loop (ms/step) | speed-up |\n|---|---|---|---|")
-    for b in [int(x) for x in args.batch_sizes.split(",")]:
-        batched, looped = bench_chain(b, args.vocab, args.repeats)
+    for b in sizes:
+        batched, looped = bench_chain(logits, b, args.repeats)
         print(f"| {b} | {batched * 1e3:.2f} | {looped * 1e3:.2f} | {looped / batched:.1f}x |", flush=True)
     if args.engine_requests:
-        share = engine_sampling_share(args.engine_requests, args.engine_steps)
+        share = engine_sampling_share(engine, args.engine_requests, args.engine_steps)
         print(f"\nsampling share of an engine step with {args.engine_requests} running requests "
               f"(mixed parameters, SmolLM2, float32): {share * 100:.1f}%")

@@ -53,8 +53,8 @@ class BlockManager:
     def find_cached_prefix(self, req: Request) -> list[int]:
         """Block ids of the longest cached prefix of a request that has nothing computed yet. At least
         one token is always left to compute, since the model must produce logits for the last one."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or req.params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position computed
         self.update_block_hashes(req)
         max_blocks = (req.num_tokens - 1) // self.block_size
         hits = []

@@ -11,7 +11,7 @@ from nanoserve.engine.request import Request
 from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.model.layers import AttentionMetadata, KVCache, PrefillSeq
 from nanoserve.model.llama import LlamaForCausalLM
-from nanoserve.sample.metadata import SamplingMetadata
+from nanoserve.sample.metadata import SamplingMetadata, allowed_token_mask
 from nanoserve.protocol import TokenLogprobs
 from nanoserve.sample.penalties import PenaltyState
 from nanoserve.sample.sampler import Sampler
@@ -24,20 +24,16 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * block_size * KV_DTYPE.itemsize
 
 
-def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int],
-                    num_top: list[int]) -> list[TokenLogprobs]:
-    """Logprob and rank of each row's chosen token, and its top-N alternatives, in one batched pass."""
-    index = torch.tensor(rows)
-    logprobs = torch.log_softmax(logits[index], dim=-1)  # (L, V)
-    chosen = logprobs.gather(1, tokens[index].unsqueeze(1))  # (L, 1)
-    ranks = (logprobs > chosen).sum(dim=-1) + 1
-    k = max(num_top)
-    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], tokens[index][:, None][:, :0])
-    out = []
-    for j, n in enumerate(num_top):
-        out.append(TokenLogprobs(chosen[j, 0].item(), int(ranks[j]), top_ids[j, :n].tolist(),
-                                 top_values[j, :n].tolist()))
-    return out
+def gather_logprobs(logits: torch.Tensor, chosen: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
+    """For each row of `logits` (L, V): the logprob and rank of its `chosen` token and its top-N
+    alternatives, in one batched pass."""
+    logprobs = torch.log_softmax(logits, dim=-1)  # (L, V)
+    chosen_lp = logprobs.gather(1, chosen.unsqueeze(1))  # (L, 1)
+    ranks = ((logprobs > chosen_lp).sum(dim=-1) + 1).tolist()
+    top_values, top_ids = logprobs.topk(max(num_top), dim=-1)
+    chosen_lp, top_values, top_ids = chosen_lp.squeeze(1).tolist(), top_values.tolist(), top_ids.tolist()
+    return [TokenLogprobs(chosen_lp[j], ranks[j], top_ids[j][:n], top_values[j][:n])
+            for j, n in enumerate(num_top)]
 
 
 class ModelRunner:
@@ -56,10 +52,18 @@ class ModelRunner:
         self.decode_kernel = kernels.load() if use_kernels else None
         self.generators: dict[str, torch.Generator] = {}  # request id -> its seeded generator
         self.penalties = PenaltyState(cfg.vocab_size)
+        self.allowed_masks: dict[str, torch.Tensor] = {}  # request id -> (V,) mask, built once
 
     def remove_request(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        self.allowed_masks.pop(request_id, None)
         self.penalties.remove(request_id)
+
+    def _allowed_mask(self, req: Request) -> torch.Tensor:
+        mask = self.allowed_masks.get(req.request_id)
+        if mask is None:
+            mask = self.allowed_masks[req.request_id] = allowed_token_mask(req.params, self.config.vocab_size)
+        return mask
 
     def _generator(self, req: Request) -> torch.Generator | None:
         if req.params.seed is None:
@@ -80,6 +84,8 @@ class ModelRunner:
         slot_mapping: list[int] = []
         logits_rows: list[int] = []
         sample_reqs: list[int] = []  # index into sched.requests of each logits row
+        # Prompt logprobs: (request index, flat rows, prompt positions they predict).
+        prompt_rows: list[tuple[int, list[int], list[int]]] = []
         num_decodes = 0
         while num_decodes < len(sched) and sched.num_new_tokens[num_decodes] == 1:
             num_decodes += 1
@@ -94,6 +100,13 @@ class ModelRunner:
             if end == req.num_tokens:
                 logits_rows.append(q_start + n - 1)
                 sample_reqs.append(i)
+            if req.params.prompt_logprobs is not None:
+                # Position p predicts prompt token p + 1; skip what an earlier run already gave.
+                first = max(start, len(req.prompt_logprobs))
+                last = min(end, req.num_prompt_tokens - 1)
+                if first < last:
+                    prompt_rows.append((i, [q_start + p - start for p in range(first, last)],
+                                        list(range(first + 1, last + 1))))
             if i >= num_decodes:
                 if start == 0:
                     prefills.append(PrefillSeq(q_start, n, end, None, None))
@@ -108,7 +121,7 @@ class ModelRunner:
         if num_decodes:
             self._decode_metadata(sched.requests[:num_decodes], meta)
         return (torch.tensor(input_ids, dtype=torch.long), meta,
-                torch.tensor(logits_rows, dtype=torch.long), sample_reqs)
+                torch.tensor(logits_rows, dtype=torch.long), sample_reqs, prompt_rows)
 
     def _decode_metadata(self, reqs: list[Request], meta: AttentionMetadata) -> None:
         """Cache slots of every decode's context, padded to the longest, with a -inf bias on padding."""
@@ -133,26 +146,48 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> tuple[list[int | None], dict[int, TokenLogprobs]]:
         """Runs one step; returns the sampled token of each scheduled request (None for chunks that
         did not reach the end of the prompt) and, by request index, logprobs where asked for."""
-        input_ids, meta, logits_rows, sample_reqs = self.prepare(sched)
+        input_ids, meta, logits_rows, sample_reqs, prompt_rows = self.prepare(sched)
         sampled: list[int | None] = [None] * len(sched)
+        num_sample = len(logits_rows)
+        if prompt_rows:
+            extra = [r for _, rows, _ in prompt_rows for r in rows]
+            logits_rows = torch.cat([logits_rows, torch.tensor(extra, dtype=torch.long)])
         logits = self.model(input_ids, meta, self.kv_caches, logits_rows)
+        if prompt_rows:
+            self._prompt_logprobs(sched, logits[num_sample:], prompt_rows)
+            logits = logits[:num_sample]
         if not sample_reqs:  # prefill chunks only: nothing to sample yet
             return sampled, {}
         reqs = [sched.requests[i] for i in sample_reqs]
         generators = {row: g for row, r in enumerate(reqs) if (g := self._generator(r)) is not None}
         penalty_rows = {row: self.penalties.row(r.request_id, r.prompt_token_ids, r.output_token_ids)
                         for row, r in enumerate(reqs) if r.params.has_penalties}
+        allowed = {row: self._allowed_mask(r) for row, r in enumerate(reqs) if r.params.allowed_token_ids}
+        want = [row for row, r in enumerate(reqs) if r.params.logprobs is not None]
         md = SamplingMetadata.build([r.params for r in reqs], generators, self.config.vocab_size,
-                                    [r.num_output_tokens for r in reqs], self.config.eos_token_ids,
-                                    penalty_rows)
+                                    eos_token_ids=self.config.eos_token_ids, penalty_state_rows=penalty_rows,
+                                    output_token_ids=[r.output_token_ids for r in reqs], allowed_masks=allowed)
+        md.need_processed = bool(want) and self.logprobs_mode == "processed"
         tokens, processed = self.sampler.sample(logits, md, self.penalties)
         if md.penalty_rows is not None:
             self.penalties.record(md.penalty_state_rows, tokens[md.penalty_rows])
         for i, token in zip(sample_reqs, tokens.tolist()):
             sampled[i] = token
-        want = [row for row, r in enumerate(reqs) if r.params.logprobs is not None]
         if not want:
             return sampled, {}
         source = logits if self.logprobs_mode == "raw" else processed
-        found = gather_logprobs(source, tokens, want, [reqs[row].params.logprobs for row in want])
+        index = torch.tensor(want)
+        found = gather_logprobs(source[index], tokens[index], [reqs[row].params.logprobs for row in want])
         return sampled, {sample_reqs[row]: lp for row, lp in zip(want, found)}
+
+    def _prompt_logprobs(self, sched: SchedulerOutput, logits: torch.Tensor,
+                         prompt_rows: list[tuple[int, list[int], list[int]]]) -> None:
+        """Appends to each request the raw logprobs of the prompt tokens this step's rows predict."""
+        chosen, num_top = [], []
+        for i, _, positions in prompt_rows:
+            req = sched.requests[i]
+            chosen += [req.prompt_token_ids[p] for p in positions]
+            num_top += [req.params.prompt_logprobs] * len(positions)
+        found = iter(gather_logprobs(logits, torch.tensor(chosen, dtype=torch.long), num_top))
+        for i, _, positions in prompt_rows:
+            sched.requests[i].prompt_logprobs.extend(next(found) for _ in positions)

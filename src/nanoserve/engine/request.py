@@ -6,7 +6,7 @@ import enum
 import time
 from typing import Optional
 
-from nanoserve.protocol import FinishReason
+from nanoserve.protocol import FinishReason, TokenLogprobs
 from nanoserve.sampling_params import SamplingParams
 
 
@@ -19,7 +19,8 @@ class RequestStatus(enum.Enum):
 
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 max_tokens: int, eos_token_ids: tuple[int, ...] = (), arrival_time: float = 0.0):
+                 max_tokens: int, eos_token_ids: tuple[int, ...] = (), arrival_time: float = 0.0,
+                 parent_id: Optional[str] = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
@@ -38,6 +39,11 @@ class Request:
         self.finish_reason: Optional[FinishReason] = None
         self.stop_reason: Optional[int] = None
         self.num_preemptions = 0
+        self.parent_id = parent_id
+        # A sibling (same parent) whose prompt computation this request waits for, to share its blocks.
+        self.prefill_leader: Optional[Request] = None
+        # Logprobs of prompt tokens 1.. as they are computed (kept across preemption).
+        self.prompt_logprobs: list[TokenLogprobs] = []
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -50,6 +56,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def waits_for_leader(self) -> bool:
+        leader = self.prefill_leader
+        return leader is not None and not leader.is_finished and \
+            leader.num_computed_tokens < leader.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -35,11 +35,16 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the last is preempted first
         self.requests: dict[str, Request] = {}
+        self.prefill_leaders: dict[str, Request] = {}  # parent id -> the sibling that computes the prompt
         self.num_preemptions = 0  # since start, for tests and metrics
 
     # ---------------------------------------------------------------------------- bookkeeping
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
+        if req.parent_id is not None and self.block_manager.enable_prefix_caching:
+            leader = self.prefill_leaders.setdefault(req.parent_id, req)
+            if leader is not req:
+                req.prefill_leader = leader
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
@@ -61,6 +66,8 @@ class Scheduler:
         req.finish_reason = req.finish_reason or reason
         self.block_manager.free(req)
         del self.requests[req.request_id]
+        if req.parent_id is not None and self.prefill_leaders.get(req.parent_id) is req:
+            del self.prefill_leaders[req.parent_id]
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -95,16 +102,19 @@ class Scheduler:
                 continue
             break  # the request itself was preempted: nothing after it is still running
 
-        # 2. Waiting requests, first come first served, unless we just had to preempt.
-        while self.waiting and budget > 0 and not out.preempted \
-                and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+        # 2. Waiting requests, first come first served, unless we just had to preempt. A sibling of
+        # an n > 1 request waits until its leader has computed the shared prompt.
+        for req in list(self.waiting):
+            if budget <= 0 or out.preempted or len(self.running) >= self.config.max_num_seqs:
+                break
+            if req.waits_for_leader:
+                continue
             cached = self.block_manager.find_cached_prefix(req)
             num_cached = len(cached) * self.block_manager.block_size
             n = min(req.num_tokens - num_cached, budget)
             if not self.block_manager.allocate(req, n, cached):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             if req.num_cached_tokens < 0:  # first admission, not a resume after preemption
                 req.num_cached_tokens = num_cached
                 self.block_manager.record_prefix_query(req.num_prompt_tokens, num_cached)

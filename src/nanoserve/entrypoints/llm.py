@@ -11,13 +11,20 @@ from tqdm import tqdm
 
 from nanoserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from nanoserve.engine.core import EngineCore
-from nanoserve.frontend.tokenizer import load_tokenizer
+from nanoserve.frontend.tokenizer import engine_params, load_tokenizer
 from nanoserve.model.loader import default_model_path
 from nanoserve.outputs import CompletionOutput, Logprob, RequestOutput
-from nanoserve.protocol import EngineCoreRequest
+from nanoserve.protocol import EngineCoreRequest, TokenLogprobs
 from nanoserve.sampling_params import SamplingParams
 
 PromptType = Union[str, list[int], dict]
+
+
+def logprob_entry(token: int, lp: TokenLogprobs) -> dict[int, Logprob]:
+    """vLLM's shape: {token id: Logprob} for the top-N alternatives and the chosen token."""
+    entry = {t: Logprob(v, rank) for rank, (t, v) in enumerate(zip(lp.top_token_ids, lp.top_logprobs), start=1)}
+    entry[token] = Logprob(lp.logprob, lp.rank)
+    return entry
 
 
 class LLM:
@@ -25,10 +32,11 @@ class LLM:
                  max_num_seqs: int = 128, max_num_batched_tokens: int = 2048, block_size: int = 16,
                  kv_cache_memory: int = 2 << 30, num_kv_blocks: Optional[int] = None,
                  enable_prefix_caching: bool = True, seed: int = 0, num_threads: Optional[int] = None,
-                 logprobs_mode: str = "raw"):
+                 logprobs_mode: str = "raw", max_logprobs: int = 20):
         self.model_path = model or default_model_path()
         self.config = EngineConfig(
             model=self.model_path, dtype=dtype, seed=seed, num_threads=num_threads, logprobs_mode=logprobs_mode,
+            max_logprobs=max_logprobs,
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                               kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
@@ -59,12 +67,14 @@ class LLM:
             request_id = str(next(self._ids))
             result = RequestOutput(request_id, text, ids)
             results.append(result)
+            core_params = engine_params(self.tokenizer, params)
             for k in range(params.n):
-                child = params if params.n == 1 else msgspec.structs.replace(
-                    params, n=1, seed=None if params.seed is None else params.seed + k)
+                child = core_params if params.n == 1 else msgspec.structs.replace(
+                    core_params, n=1, seed=None if params.seed is None else params.seed + k)
                 child_id = request_id if params.n == 1 else f"{request_id}-{k}"
                 try:
-                    self.engine.add_request(EngineCoreRequest(child_id, ids, child, time.monotonic()))
+                    self.engine.add_request(EngineCoreRequest(child_id, ids, child, time.monotonic(),
+                                                              request_id if params.n > 1 else None))
                 except Exception:
                     for other in owners:  # leave the engine as we found it
                         self.engine.abort(other)
@@ -78,6 +88,9 @@ class LLM:
                 for entry in out.logprobs or ():
                     for token, lp in entry.items():
                         lp.decoded_token = self.tokenizer.decode([token])
+            for entry in result.prompt_logprobs or ():
+                for token, lp in (entry or {}).items():
+                    lp.decoded_token = self.tokenizer.decode([token])
         return results
 
     def _run(self, owners: dict[str, tuple[RequestOutput, int]], num_prompts: int, use_tqdm: bool) -> None:
@@ -90,10 +103,11 @@ class LLM:
                 result, k = owners[out.request_id]
                 completion = result.outputs[k]
                 completion.token_ids.extend(out.new_token_ids)
+                if out.prompt_logprobs is not None and result.prompt_logprobs is None:
+                    result.prompt_logprobs = [None] + [
+                        logprob_entry(t, lp) for t, lp in zip(result.prompt_token_ids[1:], out.prompt_logprobs)]
                 for token, lp in zip(out.new_token_ids, out.new_logprobs or ()):
-                    entry = {t: Logprob(v, rank) for rank, (t, v) in
-                             enumerate(zip(lp.top_token_ids, lp.top_logprobs), start=1)}
-                    entry[token] = Logprob(lp.logprob, lp.rank)
+                    entry = logprob_entry(token, lp)
                     if completion.logprobs is None:
                         completion.logprobs, completion.cumulative_logprob = [], 0.0
                     completion.logprobs.append(entry)

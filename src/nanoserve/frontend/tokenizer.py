@@ -29,3 +29,25 @@ def load_tokenizer(model_path: str):
     except OSError:
         pass  # a read-only home directory only costs the next start its conversion time
     return tok
+
+
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """Each bad word as token sequences, both as written at the start of the text and after a space
+    (BPE tokenizers spell the two differently), without duplicates."""
+    sequences: list[list[int]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    return sequences
+
+
+def engine_params(tokenizer, params):
+    """The `SamplingParams` the engine core gets: bad words turned into token ids, text removed."""
+    import msgspec
+
+    if params.bad_words:
+        params = msgspec.structs.replace(
+            params, bad_words_token_ids=params.bad_words_token_ids + bad_words_token_ids(tokenizer, params.bad_words))
+    return params.for_engine()

@@ -16,15 +16,22 @@ class SamplingMetadata:
     temperature: Optional[torch.Tensor]  # (B,) float32; None when every row is greedy
     greedy_mask: Optional[torch.Tensor]  # (B,) bool; None when no row is greedy
     all_greedy: bool
+    vocab_size: int = 0
     top_k: Optional[torch.Tensor] = None  # (B,) int64, vocab size where disabled; None if no row uses it
     top_p: Optional[torch.Tensor] = None  # (B,) float32, 1.0 where disabled
     min_p: Optional[torch.Tensor] = None  # (B,) float32, 0.0 where disabled
     # Row index -> that request's own generator; rows without one use the engine's generator.
     generators: dict[int, torch.Generator] = field(default_factory=dict)
+    # Rows drawn at random (not greedy), and among those the ones that top-k or top-p truncate.
+    sample_rows: Optional[torch.Tensor] = None
+    truncated: Optional[torch.Tensor] = None  # positions within sample_rows
+    # Whether the caller needs the full processed logits back (logprobs_mode "processed").
+    need_processed: bool = False
     # allowed_token_ids: batch rows and their (A, V) masks of allowed tokens.
     allowed_rows: Optional[torch.Tensor] = None
     allowed_mask: Optional[torch.Tensor] = None
-    # (row, token) pairs banned this step: EOS and stop tokens of rows still below min_tokens.
+    # (row, token) pairs banned this step: bad words whose prefix was just generated, and EOS and stop
+    # tokens of rows still below min_tokens.
     banned: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     # logit_bias as (row, token, bias) triples.
     bias: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
@@ -38,39 +45,54 @@ class SamplingMetadata:
     @classmethod
     def build(cls, params: list[SamplingParams], generators: dict[int, torch.Generator], vocab_size: int,
               num_output_tokens: Optional[list[int]] = None, eos_token_ids: tuple[int, ...] = (),
-              penalty_state_rows: Optional[dict[int, int]] = None) -> "SamplingMetadata":
-        """`penalty_state_rows`: batch row -> `PenaltyState` row, for the rows with penalties."""
+              penalty_state_rows: Optional[dict[int, int]] = None,
+              output_token_ids: Optional[list[list[int]]] = None,
+              allowed_masks: Optional[dict[int, torch.Tensor]] = None) -> "SamplingMetadata":
+        """`penalty_state_rows`: batch row -> `PenaltyState` row, for the rows with penalties.
+        `output_token_ids`: each row's tokens so far (for bad words). `allowed_masks`: batch row ->
+        a (V,) bool mask of its allowed tokens, kept by the caller across steps; built here if absent."""
         greedy = [p.greedy for p in params]
-        md = cls(None, None, all(greedy))
+        md = cls(None, None, all(greedy), vocab_size)
+        if output_token_ids is not None:
+            num_output_tokens = [len(ids) for ids in output_token_ids]
         md._build_processors(params, vocab_size, num_output_tokens or [0] * len(params), eos_token_ids,
-                             penalty_state_rows or {})
+                             penalty_state_rows or {}, output_token_ids, allowed_masks or {})
         if md.all_greedy:
             return md
         md.temperature = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
                                       dtype=torch.float32)
-        md.greedy_mask = torch.tensor(greedy) if any(greedy) else None
+        if any(greedy):
+            md.greedy_mask = torch.tensor(greedy)
+            md.sample_rows = torch.tensor([i for i, g in enumerate(greedy) if not g])
         if any(p.top_k > 0 for p in params):
             md.top_k = torch.tensor([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params])
         if any(p.top_p < 1.0 for p in params):
             md.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
         if any(p.min_p > 0.0 for p in params):
             md.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+        sampled = [p for p, g in zip(params, greedy) if not g]
+        truncated = [j for j, p in enumerate(sampled) if 0 < p.top_k < vocab_size or p.top_p < 1.0]
+        if truncated:
+            md.truncated = torch.tensor(truncated)
         md.generators = generators
         return md
 
-    def _build_processors(self, params, vocab_size, num_output_tokens, eos_token_ids, penalty_rows) -> None:
-        allowed = [(i, p.allowed_token_ids) for i, p in enumerate(params) if p.allowed_token_ids]
+    def _build_processors(self, params, vocab_size, num_output_tokens, eos_token_ids, penalty_rows,
+                          output_token_ids, allowed_masks) -> None:
+        allowed = [i for i, p in enumerate(params) if p.allowed_token_ids]
         if allowed:
-            self.allowed_rows = torch.tensor([i for i, _ in allowed])
-            self.allowed_mask = torch.zeros(len(allowed), vocab_size, dtype=torch.bool)
-            for j, (_, ids) in enumerate(allowed):
-                self.allowed_mask[j, ids] = True
+            self.allowed_rows = torch.tensor(allowed)
+            self.allowed_mask = torch.stack([allowed_masks[i] if i in allowed_masks
+                                             else allowed_token_mask(params[i], vocab_size) for i in allowed])
         ban_rows, ban_tokens = [], []
         for i, (p, n) in enumerate(zip(params, num_output_tokens)):
+            banned = set()
             if n < p.min_tokens:
-                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-                ban_rows += [i] * len(stops)
-                ban_tokens += sorted(stops)
+                banned |= set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            if p.bad_words_token_ids:
+                banned |= banned_by_bad_words(p.bad_words_token_ids, output_token_ids[i] if output_token_ids else [])
+            ban_rows += [i] * len(banned)
+            ban_tokens += sorted(banned)
         if ban_rows:
             self.banned = (torch.tensor(ban_rows), torch.tensor(ban_tokens))
         triples = [(i, t, b) for i, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items()]
@@ -88,3 +110,20 @@ class SamplingMetadata:
     @property
     def has_processors(self) -> bool:
         return any(x is not None for x in (self.allowed_rows, self.banned, self.bias, self.penalty_rows))
+
+
+def allowed_token_mask(params: SamplingParams, vocab_size: int) -> torch.Tensor:
+    mask = torch.zeros(vocab_size, dtype=torch.bool)
+    mask[torch.tensor(params.allowed_token_ids, dtype=torch.long)] = True
+    return mask
+
+
+def banned_by_bad_words(bad_words: list[list[int]], output_ids: list[int]) -> set[int]:
+    """The last token of every bad-word sequence whose other tokens were just generated: banning it
+    now keeps the whole sequence out of the output (one-token words are banned outright)."""
+    banned = set()
+    for seq in bad_words:
+        prefix = seq[:-1]
+        if not prefix or (len(output_ids) >= len(prefix) and output_ids[len(output_ids) - len(prefix):] == prefix):
+            banned.add(seq[-1])
+    return banned

@@ -29,10 +29,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
                       top_p: Optional[torch.Tensor]) -> torch.Tensor:
     """top-k keeps tokens whose logit is at least the row's k-th largest; top-p then keeps each token
     while the probability of the tokens ranked above it is below p (so at least the best one).
-    Only rows that use either are touched. Instead of sorting the whole vocabulary, each row's best
-    TOP_CANDIDATES tokens are taken with `topk`; a row falls back to a full sort when the answer could
-    lie beyond them (the candidates hold less than p of the mass, or a tie at the k-th value spans
-    the candidate boundary)."""
+    Returns the whole (B, V) logits with dropped tokens at -inf; rows using neither are untouched."""
     if top_k is None and top_p is None:
         return logits
     batch, vocab = logits.shape
@@ -41,27 +38,43 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
     rows = ((k < vocab) | (p < 1.0)).nonzero().squeeze(1)
     if rows.numel() == 0:
         return logits
-    sub, k, p = logits[rows], k[rows], p[rows]
-    cand = min(vocab, max(TOP_CANDIDATES, int(k[k < vocab].max()) if bool((k < vocab).any()) else 0))
-    kept, full = _truncate(sub, k, p, cand)
-    if cand < vocab and bool(full.any()):
-        redo = full.nonzero().squeeze(1)
-        kept[redo] = _truncate(sub[redo], k[redo], p[redo], vocab)[0]
     out = logits.clone()
-    out[rows] = kept
+    values, order, full = top_k_top_p_candidates(logits[rows], k[rows], p[rows])
+    out[rows[~full]] = scatter_candidates(values[~full], order[~full], vocab)
+    out[rows[full]] = truncate_full(logits[rows[full]], k[rows[full]], p[rows[full]])
     return out
 
 
-def _truncate(sub: torch.Tensor, k: torch.Tensor, p: torch.Tensor, cand: int):
-    """Filters rows of `sub` looking at their `cand` best tokens; returns the filtered rows and which
-    rows need a full sort to be exact."""
+def top_k_top_p_candidates(sub: torch.Tensor, k: torch.Tensor, p: torch.Tensor):
+    """Filters rows by top-k and top-p looking only at each row's best TOP_CANDIDATES tokens (one
+    `topk` for the batch instead of a full sort). Returns the candidates' filtered logits (-inf where
+    dropped), their token ids, and which rows need the full vocabulary to be exact: the candidates hold
+    less than p of the mass, or a tie at the k-th value spans the candidate boundary."""
+    vocab = sub.shape[-1]
+    cand = min(vocab, max(TOP_CANDIDATES, int(k[k < vocab].max()) if bool((k < vocab).any()) else 0))
+    values, order, needs_full = _truncate_sorted(sub, k, p, cand)
+    return values, order, needs_full
+
+
+def truncate_full(sub: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The exact filter over the whole vocabulary (one full sort), as (B, V) logits."""
+    vocab = sub.shape[-1]
+    values, order, _ = _truncate_sorted(sub, k, p, vocab)
+    return scatter_candidates(values, order, vocab)
+
+
+def scatter_candidates(values: torch.Tensor, order: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.full((values.shape[0], vocab), float("-inf")).scatter_(1, order, values)
+
+
+def _truncate_sorted(sub: torch.Tensor, k: torch.Tensor, p: torch.Tensor, cand: int):
     vocab = sub.shape[-1]
     values, order = sub.topk(cand, dim=-1)  # descending
     k_on = k < vocab
     kth = values.gather(1, (k - 1).clamp(max=cand - 1).unsqueeze(1))
     kth = torch.where(k_on.unsqueeze(1), kth, torch.full_like(kth, float("-inf")))
-    masked = sub.masked_fill(sub < kth, float("-inf"))  # top-k on the whole row: ties are kept
-    lse = torch.logsumexp(masked, dim=-1, keepdim=True)
+    # Normaliser over the whole row after top-k (ties at the k-th value are kept).
+    lse = torch.logsumexp(sub.masked_fill(sub < kth, float("-inf")), dim=-1, keepdim=True)
     values = values.masked_fill(values < kth, float("-inf"))
     probs = torch.exp(values - lse)
     above = probs.cumsum(dim=-1) - probs
@@ -73,9 +86,7 @@ def _truncate(sub: torch.Tensor, k: torch.Tensor, p: torch.Tensor, cand: int):
         # Without top-k the tokens past the candidates are live; they matter if the candidates hold < p.
         mass_beyond = ~k_on & (probs.sum(dim=-1) < p)
         needs_full = tie_beyond | mass_beyond
-    result = torch.full_like(sub, float("-inf"))
-    result.scatter_(1, order, values.masked_fill(~keep, float("-inf")))
-    return result, needs_full
+    return values.masked_fill(~keep, float("-inf")), order, needs_full
 
 
 def apply_processors(logits: torch.Tensor, md: SamplingMetadata,
@@ -108,33 +119,65 @@ class Sampler:
         return self.sample(logits, md, penalties)[0]
 
     def sample(self, logits: torch.Tensor, md: SamplingMetadata, penalties: Optional[PenaltyState] = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns the sampled ids and the processed logits they were drawn from (greedy rows: after
-        the processors, without temperature or truncation)."""
+               ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Returns the sampled ids and, when `md.need_processed`, the processed logits they were drawn
+        from (greedy rows: after the processors, without temperature or truncation)."""
         if md.has_processors:
             logits = apply_processors(logits, md, penalties)
         if md.all_greedy:
             return logits.argmax(dim=-1), logits
-        greedy = logits.argmax(dim=-1) if md.greedy_mask is not None else None
-        processed = logits / md.temperature.unsqueeze(1)
+        batch, vocab = logits.shape
+        rows = md.sample_rows if md.sample_rows is not None else torch.arange(batch)
+        tokens = torch.empty(batch, dtype=torch.long)
+        if md.greedy_mask is not None:
+            greedy = md.greedy_mask.nonzero().squeeze(1)
+            tokens[greedy] = logits.index_select(0, greedy).argmax(dim=-1)
+        x = logits.index_select(0, rows) if md.sample_rows is not None else logits.clone()
+        x.div_(md.temperature[rows].unsqueeze(1))
         if md.min_p is not None:
-            processed = apply_min_p(processed, md.min_p)
-        processed = apply_top_k_top_p(processed, md.top_k, md.top_p)
-        probs = torch.softmax(processed, dim=-1)
-        sampled = (probs / self.exponential_noise(probs, md)).argmax(dim=-1)
-        if greedy is not None:
-            sampled = torch.where(md.greedy_mask, greedy, sampled)
-            processed = torch.where(md.greedy_mask.unsqueeze(1), logits, processed)
-        return sampled, processed
+            on = (md.min_p[rows] > 0).nonzero().squeeze(1)
+            x[on] = apply_min_p(x[on], md.min_p[rows][on])
+        processed = logits.clone() if md.need_processed else None
+        # Rows without top-k/top-p race over the whole vocabulary; the others over their candidates only.
+        whole = torch.ones(len(rows), dtype=torch.bool)
+        if md.truncated is not None:
+            t = md.truncated
+            k = md.top_k[rows[t]] if md.top_k is not None else torch.full((len(t),), vocab)
+            p = md.top_p[rows[t]] if md.top_p is not None else torch.ones(len(t))
+            values, order, full = top_k_top_p_candidates(x[t], k, p)
+            ok = (~full).nonzero().squeeze(1)
+            if ok.numel():
+                probs = torch.softmax(values[ok], dim=-1)
+                noise = self.exponential_noise(rows[t[ok]], probs.shape[1], md, order[ok])
+                tokens[rows[t[ok]]] = order[ok].gather(1, (probs / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
+                if processed is not None:
+                    processed[rows[t[ok]]] = scatter_candidates(values[ok], order[ok], vocab)
+            whole[t[ok]] = False
+            redo = t[full]
+            if redo.numel():
+                x[redo] = truncate_full(x[redo], k[full], p[full])
+        whole = whole.nonzero().squeeze(1)
+        if whole.numel():
+            probs = torch.softmax(x[whole], dim=-1)
+            noise = self.exponential_noise(rows[whole], vocab, md)
+            tokens[rows[whole]] = (probs / noise).argmax(dim=-1)
+            if processed is not None:
+                processed[rows[whole]] = x[whole]
+        return tokens, processed
 
-    def exponential_noise(self, probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    def exponential_noise(self, rows: torch.Tensor, width: int, md: SamplingMetadata,
+                          token_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Exp(1) noise as -log(U), U ~ Uniform[0, 1): the same distribution as `exponential_`, about
-        four times faster on the CPU, and never 0 (U < 1), so `p / q` is never 0 / 0."""
-        batch, vocab = probs.shape
-        if len(md.generators) < batch:
-            q = torch.rand(batch, vocab, generator=self.generator)
-        else:
-            q = torch.empty(batch, vocab)
-        for row, gen in md.generators.items():  # seeded rows: their own stream, whatever the batch
-            q[row] = torch.rand(vocab, generator=gen)
+        four times faster on the CPU, and never 0 (U < 1), so `p / q` is never 0 / 0. One row per batch
+        row in `rows`; `token_ids` (same shape as the result) says which token each column is when the
+        race runs over candidates. A seeded row always draws one number per vocabulary token from its
+        own generator and reads them by token id, so its draws do not depend on the batch around it."""
+        q = torch.rand(len(rows), width, generator=self.generator)
+        position = {row: j for j, row in enumerate(rows.tolist())} if md.generators else {}
+        for row, gen in md.generators.items():
+            j = position.get(row)
+            if j is None:
+                continue
+            own = torch.rand(md.vocab_size if token_ids is not None else width, generator=gen)
+            q[j] = own if token_ids is None else own[token_ids[j]]
         return q.log_().neg_()
