@@ -189,3 +189,27 @@ def test_processed_logprobs_follow_temperature(smollm_llm):
     # Dividing the logits by 0.5 sharpens the distribution: the top token's logprob rises towards 0.
     assert outs["hot"].top_logprobs[0] > outs["greedy"].top_logprobs[0]
     assert outs["hot"].top_token_ids[0] == outs["greedy"].top_token_ids[0]
+
+
+def test_stop_strings_cut_the_text_and_finish_the_engine_request(smollm_llm):
+    prompt = "Count from one to twenty: one, two, three,"
+    full = smollm_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                               use_tqdm=False)[0].outputs[0]
+    assert " six" in full.text
+    aborted = []
+    abort = smollm_llm.engine.abort
+    smollm_llm.engine.abort = lambda rid: (aborted.append(rid), abort(rid))[1]
+    try:
+        out = smollm_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                                         stop=[" six", "zzz"]), use_tqdm=False)[0]
+    finally:
+        del smollm_llm.engine.abort
+    completion = out.outputs[0]
+    assert completion.text == full.text[:full.text.index(" six")]
+    assert completion.finish_reason == "stop" and completion.stop_reason == " six"
+    assert len(completion.token_ids) < 40 and aborted == [out.request_id]
+    assert not smollm_llm.engine.has_unfinished()
+    kept = smollm_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                                      stop=[" six"], include_stop_str_in_output=True),
+                               use_tqdm=False)[0].outputs[0]
+    assert kept.text == full.text[:full.text.index(" six") + 4]

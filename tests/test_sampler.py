@@ -163,7 +163,7 @@ def test_new_fields_validated():
 def test_bench_sampler_runs_both_paths():
     from nanoserve.bench.sampler import bench_chain
 
-    batched, looped = bench_chain(batch=6, vocab=300, repeats=2)
+    batched, looped = bench_chain(torch.randn(6, 300) * 3, batch=6, repeats=2)
     assert batched > 0 and looped > 0
 
 

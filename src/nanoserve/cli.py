@@ -84,8 +84,8 @@ def main(argv=None) -> None:
     chat.add_argument("--system", default=None)
     _engine_args(chat)
     _sampling_args(chat)
-    bench = sub.add_parser("bench", help="benchmarks: offline, sampler")
-    bench.add_argument("which", choices=["offline", "sampler"])
+    bench = sub.add_parser("bench", help="benchmarks: offline, sampler, detokenize")
+    bench.add_argument("which", choices=["offline", "sampler", "detokenize"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
 
@@ -99,6 +99,9 @@ def main(argv=None) -> None:
         elif args.command == "bench" and args.which == "offline":
             from nanoserve.bench import offline
             offline.main(args.rest)
+        elif args.command == "bench" and args.which == "detokenize":
+            from nanoserve.bench import detokenize
+            detokenize.main(args.rest)
         elif args.command == "bench":
             from nanoserve.bench import sampler
             sampler.main(args.rest)

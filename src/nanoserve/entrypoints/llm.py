@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from nanoserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from nanoserve.engine.core import EngineCore
+from nanoserve.frontend.output_processor import OutputProcessor
 from nanoserve.frontend.tokenizer import engine_params, load_tokenizer
 from nanoserve.model.loader import default_model_path
 from nanoserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -61,8 +62,8 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
 
         results: list[RequestOutput] = []
-        # Engine request id -> (result, sample index); n > 1 fans out into n engine requests.
-        owners: dict[str, tuple[RequestOutput, int]] = {}
+        processor = OutputProcessor(self.tokenizer)
+        pending: list[str] = []
         for (text, ids), params in zip(prompts, sampling_params):
             request_id = str(next(self._ids))
             result = RequestOutput(request_id, text, ids)
@@ -76,15 +77,15 @@ class LLM:
                     self.engine.add_request(EngineCoreRequest(child_id, ids, child, time.monotonic(),
                                                               request_id if params.n > 1 else None))
                 except Exception:
-                    for other in owners:  # leave the engine as we found it
+                    for other in pending:  # leave the engine as we found it
                         self.engine.abort(other)
                     raise
+                pending.append(child_id)
                 result.outputs.append(CompletionOutput(k, "", []))
-                owners[child_id] = (result, k)
-        self._run(owners, len(results), use_tqdm)
+                processor.add_request(child_id, request_id, k, params)
+        self._run(processor, {r.request_id: r for r in results}, use_tqdm)
         for result in results:
             for out in result.outputs:
-                out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
                 for entry in out.logprobs or ():
                     for token, lp in entry.items():
                         lp.decoded_token = self.tokenizer.decode([token])
@@ -93,33 +94,35 @@ class LLM:
                     lp.decoded_token = self.tokenizer.decode([token])
         return results
 
-    def _run(self, owners: dict[str, tuple[RequestOutput, int]], num_prompts: int, use_tqdm: bool) -> None:
-        bar = tqdm(total=num_prompts, desc="Generating", unit="prompt", disable=not use_tqdm,
+    def _run(self, processor: OutputProcessor, results: dict[str, RequestOutput], use_tqdm: bool) -> None:
+        bar = tqdm(total=len(results), desc="Generating", unit="prompt", disable=not use_tqdm,
                    dynamic_ncols=True)
-        start, num_out, pending = time.perf_counter(), 0, len(owners)
-        remaining = {id(r): len(r.outputs) for r, _ in owners.values()}
-        while pending:
-            for out in self.engine.step():
-                result, k = owners[out.request_id]
-                completion = result.outputs[k]
-                completion.token_ids.extend(out.new_token_ids)
-                if out.prompt_logprobs is not None and result.prompt_logprobs is None:
+        start, num_out = time.perf_counter(), 0
+        remaining = {rid: len(r.outputs) for rid, r in results.items()}
+        while self.engine.has_unfinished():
+            deltas, to_abort = processor.process(self.engine.step())
+            for child_id in to_abort:  # a stop string ended it: free its blocks now
+                self.engine.abort(child_id)
+            for delta in deltas:
+                result = results[delta.request_id]
+                completion = result.outputs[delta.index]
+                completion.text += delta.text
+                completion.token_ids.extend(delta.token_ids)
+                if delta.prompt_logprobs is not None and result.prompt_logprobs is None:
                     result.prompt_logprobs = [None] + [
-                        logprob_entry(t, lp) for t, lp in zip(result.prompt_token_ids[1:], out.prompt_logprobs)]
-                for token, lp in zip(out.new_token_ids, out.new_logprobs or ()):
-                    entry = logprob_entry(token, lp)
+                        logprob_entry(t, lp) for t, lp in zip(result.prompt_token_ids[1:], delta.prompt_logprobs)]
+                for token, lp in zip(delta.token_ids, delta.logprobs or ()):
                     if completion.logprobs is None:
                         completion.logprobs, completion.cumulative_logprob = [], 0.0
-                    completion.logprobs.append(entry)
+                    completion.logprobs.append(logprob_entry(token, lp))
                     completion.cumulative_logprob += lp.logprob
-                num_out += len(out.new_token_ids)
-                result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens)
-                if out.finished:
-                    pending -= 1
-                    completion.finish_reason = str(out.finish_reason)
-                    completion.stop_reason = out.stop_reason
-                    remaining[id(result)] -= 1
-                    if remaining[id(result)] == 0:
+                num_out += len(delta.token_ids)
+                result.num_cached_tokens = max(result.num_cached_tokens, delta.num_cached_tokens)
+                if delta.finished:
+                    completion.finish_reason = delta.finish_reason
+                    completion.stop_reason = delta.stop_reason
+                    remaining[delta.request_id] -= 1
+                    if remaining[delta.request_id] == 0:
                         result.finished = True
                         bar.update(1)
             if use_tqdm:
