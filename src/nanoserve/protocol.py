@@ -52,3 +52,56 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of KV blocks in use
+    prefix_queried_tokens: int  # totals since start
+    prefix_hit_tokens: int
+    num_preemptions: int
+    idle_seconds: float = 0.0  # engine loop time spent waiting for input with nothing to run
+
+
+class Rejection(msgspec.Struct, array_like=True, gc=False):
+    """A request the engine core refused; `status` is the HTTP status the frontend should answer."""
+    request_id: str
+    status: int
+    message: str
+    param: Optional[str] = None
+
+
+class ModelInfo(msgspec.Struct, array_like=True, gc=False):
+    """Sent with the engine core's ready message: what the frontend needs to know of the model."""
+    max_model_len: int
+    vocab_size: int
+    max_logprobs: int
+    pid: int
+
+
+# Frontend -> engine core: one message per frame, tagged by type.
+class AddRequest(msgspec.Struct, tag="add", gc=False):
+    request: EngineCoreRequest
+
+
+class AbortRequests(msgspec.Struct, tag="abort", gc=False):
+    request_ids: list[str]
+
+
+class Hello(msgspec.Struct, tag="hello", gc=False):
+    pass
+
+
+CoreInput = Union[AddRequest, AbortRequests, Hello]
+
+
+class EngineCoreOutputs(msgspec.Struct, omit_defaults=True, gc=False):
+    """Engine core -> one frontend: new tokens, accepted and rejected requests, scheduler stats, and
+    the ready / fatal-error notices."""
+    outputs: list[EngineCoreOutput] = []
+    accepted: list[str] = []
+    rejected: list[Rejection] = []
+    stats: Optional[SchedulerStats] = None
+    ready: Optional[ModelInfo] = None
+    dead: Optional[str] = None  # the engine core failed: every in-flight request must end

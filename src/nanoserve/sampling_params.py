@@ -10,6 +10,12 @@ import msgspec
 MAX_LOGPROBS = 20  # default cap on logprobs / prompt_logprobs (EngineConfig.max_logprobs)
 
 
+def field_of_error(message: str) -> Optional[str]:
+    """The field a validation message names: by convention its first word ("top_p must be ...")."""
+    first = message.split(" ", 1)[0]
+    return first if first.isidentifier() else None
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     n: int = 1
     temperature: float = 1.0

@@ -15,7 +15,7 @@ from nanoserve.engine.model_runner import ModelRunner, kv_bytes_per_block
 from nanoserve.engine.request import Request
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.model.registry import build_model
-from nanoserve.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
+from nanoserve.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,16 @@ class EngineCore:
         return self.model_config.eos_token_ids
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Queues a request; raises `PromptTooLongError` when its prompt cannot fit."""
+        """Queues a request; raises `PromptTooLongError` when its prompt cannot fit and `ValueError`
+        for parameters this model cannot honour."""
+        max_tokens = self.check_request(request)
+        self.scheduler.add_request(Request(request.request_id, request.prompt_token_ids, request.sampling_params,
+                                           max_tokens, self.eos_token_ids, request.arrival_time,
+                                           request.parent_id))
+
+    def check_request(self, request: EngineCoreRequest) -> int:
+        """Validates a request against the model and the pool without changing anything; returns its
+        max_tokens clamped to the room left in the context."""
         prompt_len = len(request.prompt_token_ids)
         if prompt_len == 0:
             raise ValueError("the prompt must contain at least one token")
@@ -90,10 +99,12 @@ class EngineCore:
             if value is not None and value > self.config.max_logprobs:
                 raise ValueError(f"{name} must be in [0, {self.config.max_logprobs}], got {value}")
         room = limit - prompt_len
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        self.scheduler.add_request(Request(request.request_id, request.prompt_token_ids, params,
-                                           max_tokens, self.eos_token_ids, request.arrival_time,
-                                           request.parent_id))
+        return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    def stats(self) -> SchedulerStats:
+        bm = self.block_manager
+        return SchedulerStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage,
+                              bm.num_queried_tokens, bm.num_hit_tokens, self.scheduler.num_preemptions)
 
     def abort(self, request_id: str) -> bool:
         """Removes a request and frees its blocks at once; False when it is unknown or finished."""

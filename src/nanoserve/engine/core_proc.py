@@ -1,0 +1,196 @@
+"""`EngineCoreProc`: the engine-core process. A busy loop (drain inputs -> step -> hand outputs off)
+around `EngineCore`, with one IO thread that owns the ZMQ ROUTER socket: it decodes and checks
+incoming requests and encodes outgoing results while the loop computes."""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from typing import Optional
+
+import msgspec
+import zmq
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine.core import EngineCore, PromptTooLongError
+from nanoserve.sampling_params import field_of_error
+from nanoserve.protocol import (AbortRequests, AddRequest, CoreInput, EngineCoreOutputs, Hello, ModelInfo,
+                                Rejection)
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCoreProc:
+    def __init__(self, engine: EngineCore, address: str, max_waiting_requests: int = 0):
+        self.engine = engine
+        self.max_waiting = max_waiting_requests
+        self.inputs: queue.Queue = queue.Queue()  # decoded inputs for the loop: AddRequest | AbortRequests
+        self.outbox: queue.Queue = queue.Queue()  # (client identity, EngineCoreOutputs) for the IO thread
+        self.owner: dict[str, bytes] = {}  # request id -> the frontend that sent it
+        self.clients: set[bytes] = set()
+        self.idle_seconds = 0.0
+        self.ctx = zmq.Context()
+        self.wake_address = f"inproc://wake-{id(self)}"
+        self.wake_send = self.ctx.socket(zmq.PAIR)
+        self.wake_send.bind(self.wake_address)
+        self.address = address
+        self.io_thread = threading.Thread(target=self._io_loop, name="engine-io", daemon=True)
+        self.info = ModelInfo(engine.max_model_len, engine.model_config.vocab_size,
+                              engine.config.max_logprobs, os.getpid())
+        self.stopping = False
+
+    # ------------------------------------------------------------------------------ IO thread
+    def _io_loop(self) -> None:
+        router = self.ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        router.bind(self.address)
+        wake = self.ctx.socket(zmq.PAIR)
+        wake.connect(self.wake_address)
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(wake, zmq.POLLIN)
+        decoder = msgspec.msgpack.Decoder(CoreInput)
+        encoder = msgspec.msgpack.Encoder()
+        while True:
+            events = dict(poller.poll())
+            if wake in events:
+                wake.recv()
+                while True:
+                    try:
+                        identity, message = self.outbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    self._send(router, identity, encoder.encode(message))
+            if router in events:
+                identity, payload = router.recv_multipart()
+                try:
+                    message = decoder.decode(payload)
+                except msgspec.DecodeError as exc:
+                    logger.error("undecodable message from %r: %s", identity, exc)
+                    continue
+                reply = self._receive(identity, message)
+                if reply is not None:
+                    self._send(router, identity, encoder.encode(reply))
+
+    def _send(self, router, identity: bytes, payload: bytes) -> None:
+        try:
+            router.send_multipart([identity, payload])
+        except zmq.error.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            # Every frontend said hello first, so it was routable: this one has gone away (an API
+            # server that exited). Forget it rather than block the others.
+            if identity in self.clients:
+                logger.warning("frontend %r is gone", identity)
+                self.clients.discard(identity)
+
+    def _receive(self, identity: bytes, message) -> Optional[EngineCoreOutputs]:
+        """Runs on the IO thread: checks a new request at once so the frontend learns of a rejection
+        before it starts a stream; the loop picks accepted ones up from `inputs`."""
+        if isinstance(message, Hello):
+            self.clients.add(identity)
+            return EngineCoreOutputs(ready=self.info, stats=self.engine.stats())
+        if isinstance(message, AbortRequests):
+            self.inputs.put(message)
+            return None
+        request = message.request
+        try:
+            if self.max_waiting and len(self.engine.scheduler.waiting) + self.inputs.qsize() >= self.max_waiting:
+                return EngineCoreOutputs(rejected=[Rejection(
+                    request.request_id, 503, f"the server is overloaded: {self.max_waiting} requests are "
+                    "already waiting; retry later")])
+            self.engine.check_request(request)
+        except PromptTooLongError as exc:
+            return EngineCoreOutputs(rejected=[Rejection(request.request_id, 400, str(exc), "prompt")])
+        except ValueError as exc:
+            return EngineCoreOutputs(rejected=[Rejection(request.request_id, 400, str(exc), field_of_error(str(exc)))])
+        self.owner[request.request_id] = identity
+        self.inputs.put(message)
+        return EngineCoreOutputs(accepted=[request.request_id])
+
+    def _post(self, identity: bytes, message: EngineCoreOutputs) -> None:
+        self.outbox.put((identity, message))
+        self.wake_send.send(b"")
+
+    # ---------------------------------------------------------------------------- busy loop
+    def run(self) -> None:
+        self.io_thread.start()
+        engine = self.engine
+        while not self.stopping:
+            changed = self._drain_inputs(block=not engine.has_unfinished())
+            outputs = engine.step() if engine.has_unfinished() else []
+            if not outputs and not changed:
+                continue
+            by_client: dict[bytes, list] = {}
+            for out in outputs:
+                identity = self.owner.get(out.request_id)
+                if identity is not None:
+                    by_client.setdefault(identity, []).append(out)
+                if out.finished:
+                    self.owner.pop(out.request_id, None)
+            stats = engine.stats()
+            stats.idle_seconds = self.idle_seconds
+            for identity in list(self.clients):
+                self._post(identity, EngineCoreOutputs(outputs=by_client.get(identity, []), stats=stats))
+
+    def _drain_inputs(self, block: bool) -> bool:
+        """Applies every queued input; with nothing to run, first waits for one (time counted as idle)."""
+        changed = False
+        if block:
+            start = time.perf_counter()
+            try:
+                item = self.inputs.get(timeout=0.5)
+            except queue.Empty:
+                return False
+            finally:
+                self.idle_seconds += time.perf_counter() - start
+            changed |= self._apply(item)
+        while True:
+            try:
+                item = self.inputs.get_nowait()
+            except queue.Empty:
+                return changed
+            changed |= self._apply(item)
+
+    def _apply(self, item) -> bool:
+        if isinstance(item, AddRequest):
+            try:
+                self.engine.add_request(item.request)
+            except ValueError as exc:  # checked already; only a race (e.g. pool changes) gets here
+                identity = self.owner.pop(item.request.request_id, None)
+                if identity is not None:
+                    self._post(identity, EngineCoreOutputs(rejected=[Rejection(item.request.request_id, 400, str(exc))]))
+            return True
+        for request_id in item.request_ids:
+            self.engine.abort(request_id)
+            self.owner.pop(request_id, None)
+        return True
+
+    def fail(self, message: str) -> None:
+        for identity in list(self.clients):
+            self._post(identity, EngineCoreOutputs(dead=message))
+
+
+def run_engine_core(config: EngineConfig, address: str, max_waiting_requests: int = 0,
+                    log_level: str = "INFO") -> None:
+    """Entry point of the engine-core process. Exits non-zero when the engine fails, after telling
+    every frontend so that their in-flight requests end with an error instead of hanging."""
+    logging.basicConfig(level=log_level, format="%(asctime)s engine-core[%(process)d] %(levelname)s %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when we stop (SIGTERM)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    try:
+        engine = EngineCore(config)
+    except Exception as exc:
+        logger.error("engine core failed to start: %s", exc)
+        os._exit(3)
+    proc = EngineCoreProc(engine, address, max_waiting_requests)
+    try:
+        proc.run()
+    except Exception as exc:
+        logger.exception("engine core failed")
+        proc.fail(f"engine core failed: {exc}")
+        time.sleep(0.5)  # let the IO thread deliver the notice
+        os._exit(1)

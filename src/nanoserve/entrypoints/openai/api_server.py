@@ -1,0 +1,218 @@
+"""The HTTP layer of one API-server process: FastAPI routes, OpenAI error shapes, API keys, CORS,
+`X-Request-Id`, `/health`, `/metrics`; and `run_api_server`, the process entry point that serves on a
+port shared with its sibling processes (SO_REUSEPORT) and exits non-zero if the engine core dies."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import socket
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+
+import nanoserve
+from nanoserve.engine.client import EngineDeadError, RequestRejected
+from nanoserve.entrypoints.openai.metrics import Metrics
+from nanoserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                   TokenizeRequest)
+from nanoserve.entrypoints.openai.serving import APIError, OpenAIServing, error_response
+from nanoserve.frontend.async_llm import AsyncLLM
+from nanoserve.sampling_params import field_of_error
+
+logger = logging.getLogger("nanoserve.api")
+
+
+@dataclass
+class ServerSettings:
+    model_path: str
+    address: str  # the engine core's ZMQ address
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_names: list[str] = field(default_factory=list)
+    api_keys: list[str] = field(default_factory=list)
+    allowed_origins: list[str] = field(default_factory=list)
+    reasoning_parser: Optional[str] = None
+    drain_timeout: float = 30.0
+    index: int = 0
+    log_level: str = "info"
+
+
+def create_app(settings: ServerSettings, tokenizer) -> FastAPI:
+    metrics = Metrics()
+
+    def on_dead(reason: str) -> None:
+        # In-flight requests got their errors through their queues; give the responses a moment to
+        # go out, then exit non-zero so that the launcher stops the whole server.
+        asyncio.get_running_loop().call_later(1.0, os._exit, 1)
+
+    llm = AsyncLLM(tokenizer, settings.address, f"api-{settings.index}-{os.getpid()}".encode(), on_dead)
+    serving = OpenAIServing(llm, tokenizer, settings.served_model_names, metrics, settings.reasoning_parser)
+    state = {"ready": False}
+
+    async def connect():
+        try:
+            info = await llm.start()
+        except EngineDeadError as exc:
+            logger.error("%s", exc)
+            os._exit(1)
+        state["ready"], state["max_model_len"] = True, info.max_model_len
+        logger.info("engine core ready: max_model_len %d", info.max_model_len)
+        while not llm.dead:  # engine-wide gauges follow the latest stats the core sent
+            if llm.stats is not None:
+                metrics.update_engine(llm.stats)
+            await asyncio.sleep(0.05)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(connect())
+        yield
+        task.cancel()
+        llm.close()
+
+    app = FastAPI(title="nanoserve", version=nanoserve.__version__, lifespan=lifespan)
+    if settings.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_credentials=True,
+                           allow_methods=["*"], allow_headers=["*"])
+
+    @app.middleware("http")
+    async def request_id_and_auth(request: Request, call_next):
+        if settings.api_keys and request.url.path.startswith("/v1") and request.method != "OPTIONS":
+            given = request.headers.get("authorization", "")
+            token = given[7:] if given.lower().startswith("bearer ") else ""
+            if not any(hmac.compare_digest(token.encode(), key.encode()) for key in settings.api_keys):
+                return error_response(401, "invalid or missing API key", "AuthenticationError",
+                                      code="invalid_api_key")
+        response = await call_next(request)
+        if "x-request-id" in request.headers:
+            response.headers["X-Request-Id"] = request.headers["x-request-id"]
+        return response
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if first.get("type") == "json_invalid":
+            message = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg', ''))}"
+            loc = []
+        else:
+            message = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body')}: {e.get('msg')}"
+                                for e in errors)
+        return error_response(400, message, "BadRequestError", ".".join(loc) or None)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(ValueError)
+    async def value_error(request: Request, exc: ValueError):
+        return error_response(400, str(exc), "BadRequestError", field_of_error(str(exc)))
+
+    @app.exception_handler(RequestRejected)
+    async def rejected(request: Request, exc: RequestRejected):
+        kind = "BadRequestError" if exc.status == 400 else "ServiceUnavailableError"
+        return error_response(exc.status, str(exc), kind, exc.param)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(request: Request, exc: EngineDeadError):
+        return error_response(503, f"the engine is not available: {exc}", "ServiceUnavailableError")
+
+    def require_ready():
+        if llm.dead:
+            raise APIError(503, f"the engine is not available: {llm.dead}", "ServiceUnavailableError")
+        if not state["ready"]:
+            raise APIError(503, "the model is still loading", "ServiceUnavailableError")
+
+    # ------------------------------------------------------------------------------ routes
+    @app.get("/health")
+    async def health():
+        if llm.dead or not state["ready"]:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": nanoserve.__version__}
+
+    @app.get("/metrics")
+    async def metrics_endpoint():
+        body, content_type = Metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": int(time.time()), "owned_by": "nanoserve",
+             "root": settings.model_path, "max_model_len": state.get("max_model_len")}
+            for name in settings.served_model_names]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        require_ready()
+        return await serving.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        require_ready()
+        return await serving.chat(body, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        serving.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        if body.prompt is not None:
+            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
+            ids = serving.chat_prompt(chat)[1]
+        result = {"count": len(ids), "max_model_len": state.get("max_model_len"), "tokens": ids}
+        if body.return_token_strs:
+            result["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
+        return result
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        serving.check_model(body.model)
+        vocab = len(tokenizer)
+        if any(t < 0 or t >= vocab for t in body.tokens):
+            raise APIError(400, f"tokens must be ids in [0, {vocab})", param="tokens")
+        return {"prompt": tokenizer.decode(body.tokens)}
+
+    app.state.llm = llm
+    return app
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket that every API-server process binds to the same port; the kernel spreads connections."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_api_server(settings: ServerSettings) -> None:
+    """Entry point of one API-server process."""
+    import uvicorn
+
+    from nanoserve.frontend.tokenizer import load_tokenizer
+
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format=f"%(asctime)s api-{settings.index}[%(process)d] %(levelname)s %(message)s")
+    sock = listening_socket(settings.host, settings.port)
+    app = create_app(settings, load_tokenizer(settings.model_path))
+    config = uvicorn.Config(app, log_level=settings.log_level, timeout_graceful_shutdown=settings.drain_timeout,
+                            access_log=False)
+    uvicorn.Server(config).run(sockets=[sock])

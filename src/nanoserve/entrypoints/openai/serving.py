@@ -1,0 +1,377 @@
+"""The two generation endpoints: a validated request becomes prompts and `SamplingParams`, goes to
+the engine through `AsyncLLM`, and comes back as an OpenAI-shaped JSON body or an SSE stream
+(`data: {...}` chunks, usage, `data: [DONE]`). Also the OpenAI error shape and logprob formatting."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import AsyncIterator, Optional
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from nanoserve.entrypoints.openai.metrics import Metrics, RequestTimer
+from nanoserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from nanoserve.engine.client import EngineDeadError
+from nanoserve.frontend.async_llm import AsyncLLM, RequestStream
+from nanoserve.frontend.output_processor import CompletionDelta
+from nanoserve.frontend.reasoning import make_reasoning_parser
+from nanoserve.protocol import TokenLogprobs
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type: str = "BadRequestError", param: Optional[str] = None,
+                 code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, self.type, self.param, self.code)
+
+
+def error_response(status: int, message: str, type: str, param: Optional[str] = None,
+                   code: Optional[str] = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type, "param": param, "code": code or status}},
+                        status_code=status)
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+class Choice:
+    """What one completion has produced so far."""
+
+    def __init__(self, index: int, prefix: str = ""):
+        self.index = index
+        self.text = prefix
+        self.reasoning = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list[tuple[int, TokenLogprobs]] = []
+        self.finish_reason: Optional[str] = None
+        self.stop_reason = None
+
+    def add(self, delta: CompletionDelta) -> None:
+        self.text += delta.text
+        self.reasoning += delta.reasoning
+        self.token_ids += delta.token_ids
+        if delta.logprobs:
+            self.logprobs += list(zip(delta.token_ids, delta.logprobs))
+        if delta.finished:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+
+
+class OpenAIServing:
+    def __init__(self, llm: AsyncLLM, tokenizer, model_names: list[str], metrics: Metrics,
+                 reasoning_parser: Optional[str] = None):
+        self.llm, self.tokenizer, self.model_names = llm, tokenizer, model_names
+        self.metrics, self.reasoning_parser = metrics, reasoning_parser
+
+    # --------------------------------------------------------------------------- shared parts
+    def check_model(self, model: Optional[str]) -> str:
+        if model and model not in self.model_names:
+            raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model", "model_not_found")
+        return model or self.model_names[0]
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    async def _submit(self, raw: Request, prompts: list[list[int]], params, reasoning_for) -> list[RequestStream]:
+        """Submits every prompt; if one is refused, the others are withdrawn and the error raised."""
+        base = raw.headers.get("x-request-id") or uuid.uuid4().hex
+        streams = []
+        try:
+            for i, ids in enumerate(prompts):
+                request_id = f"{base}-{i}-{uuid.uuid4().hex[:8]}"
+                streams.append(await self.llm.submit(request_id, ids, params, reasoning_for(i)))
+        except BaseException:
+            for s in streams:
+                s.abort()
+            raise
+        for ids in prompts:
+            self.metrics.prompt_tokens.inc(len(ids))
+        return streams
+
+    async def _merge(self, streams: list[RequestStream], n: int, timer: RequestTimer
+                     ) -> AsyncIterator[tuple[int, CompletionDelta]]:
+        """Deltas of every prompt's completions as they come, with their global choice index."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(p: int, stream: RequestStream):
+            try:
+                async for delta in stream:
+                    await queue.put((p * n + delta.index, delta))
+                await queue.put(None)
+            except Exception as exc:
+                await queue.put(exc)
+
+        tasks = [asyncio.create_task(pump(p, s)) for p, s in enumerate(streams)]
+        reasons = []
+        try:
+            left = len(tasks)
+            while left:
+                item = await queue.get()
+                if item is None:
+                    left -= 1
+                    continue
+                if isinstance(item, Exception):
+                    raise item
+                timer.tokens(len(item[1].token_ids))
+                if item[1].finished:
+                    reasons.append(item[1].finish_reason)
+                yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+            for s in streams:
+                s.abort()  # no-op for finished ones; a client that left frees its blocks
+            timer.finish(reasons + ["abort"] * (len(streams) * n - len(reasons)))
+
+    async def _collect(self, raw: Request, streams, n: int, choices: list[Choice], timer) -> list[int]:
+        """Runs a non-streaming request to the end, aborting it if the client disconnects."""
+        cached = [0] * len(streams)
+
+        async def run():
+            async for index, delta in self._merge(streams, n, timer):
+                choices[index].add(delta)
+                cached[index // n] = max(cached[index // n], delta.num_cached_tokens)
+
+        task = asyncio.create_task(run())
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if not done and await raw.is_disconnected():
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+                raise APIError(499, "client disconnected", "ClientDisconnected")
+        task.result()
+        return cached
+
+    @staticmethod
+    async def _guard(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+        """Once a stream has started its status is sent: a failure (the engine died) becomes an error
+        event, then `[DONE]`, so that clients end cleanly instead of waiting."""
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except EngineDeadError as exc:
+            yield sse({"error": {"message": f"the engine is not available: {exc}", "type": "ServiceUnavailableError",
+                                 "param": None, "code": 503}})
+            yield "data: [DONE]\n\n"
+
+    @staticmethod
+    def usage(prompts: list[list[int]], completion_tokens: int, cached: list[int]) -> dict:
+        prompt_tokens = sum(len(p) for p in prompts)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": sum(cached)}}
+
+    # ----------------------------------------------------------------------------- logprobs
+    def completion_logprobs(self, entries: list[tuple[int, TokenLogprobs]], offset: int) -> dict:
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for token, lp in entries:
+            text = self.token_text(token)
+            offsets.append(offset)
+            offset += len(text)
+            tokens.append(text)
+            token_logprobs.append(lp.logprob)
+            alternatives = {self.token_text(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)}
+            alternatives.setdefault(text, lp.logprob)
+            top.append(alternatives)
+        return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": top}
+
+    def chat_logprobs(self, entries: list[tuple[int, TokenLogprobs]]) -> dict:
+        def item(token: int, value: float) -> dict:
+            text = self.token_text(token)
+            return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**item(token, lp.logprob),
+                             "top_logprobs": [item(t, v) for t, v in zip(lp.top_token_ids, lp.top_logprobs)]}
+                            for token, lp in entries]}
+
+    # ---------------------------------------------------------------------------- completions
+    def completion_prompts(self, req: CompletionRequest) -> list[tuple[Optional[str], list[int]]]:
+        p = req.prompt
+        if isinstance(p, str):
+            p = [p]
+        if not p:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        if isinstance(p[0], int):
+            p = [p]
+        prompts = []
+        for item in p:
+            if isinstance(item, str):
+                prompts.append((item, self.tokenizer.encode(item, add_special_tokens=True)))
+            elif isinstance(item, list) and all(isinstance(t, int) for t in item):
+                prompts.append((None, list(item)))
+            else:
+                raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or "
+                               "a list of token-id lists", param="prompt")
+        return prompts
+
+    async def completions(self, req: CompletionRequest, raw: Request):
+        model = self.check_model(req.model)
+        params = req.to_sampling_params()
+        prompts = self.completion_prompts(req)
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "echo with logprobs is not supported", param="echo")
+        texts = [t if t is not None else self.tokenizer.decode(ids) for t, ids in prompts]
+        ids_list = [ids for _, ids in prompts]
+        timer = RequestTimer(self.metrics)
+        streams = await self._submit(raw, ids_list, params, lambda i: None)
+        n, created = params.n, int(time.time())
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        prefixes = [texts[i // n] if req.echo else "" for i in range(len(prompts) * n)]
+        if req.stream:
+            return StreamingResponse(self._guard(self._stream_completions(
+                req, streams, ids_list, prefixes, model, created, response_id, timer)), media_type="text/event-stream")
+        choices = [Choice(i, prefixes[i]) for i in range(len(prompts) * n)]
+        cached = await self._collect(raw, streams, n, choices, timer)
+        body_choices = []
+        for c in choices:
+            choice = {"index": c.index, "text": c.text,
+                      "logprobs": self.completion_logprobs(c.logprobs, len(prefixes[c.index]))
+                      if params.logprobs is not None else None,
+                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if req.return_token_ids:
+                choice["token_ids"] = c.token_ids
+                choice["prompt_token_ids"] = ids_list[c.index // n]
+            body_choices.append(choice)
+        completion_tokens = sum(len(c.token_ids) for c in choices)
+        return JSONResponse({"id": response_id, "object": "text_completion", "created": created, "model": model,
+                             "choices": body_choices, "usage": self.usage(ids_list, completion_tokens, cached)})
+
+    async def _stream_completions(self, req, streams, ids_list, prefixes, model, created, response_id, timer):
+        n = req.n
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = include_usage and req.stream_options.continuous_usage_stats
+        offsets = [len(p) for p in prefixes]
+        echoed = [False] * len(prefixes)
+        completion_tokens, cached = 0, [0] * len(streams)
+        async for index, delta in self._merge(streams, n, timer):
+            completion_tokens += len(delta.token_ids)
+            cached[index // n] = max(cached[index // n], delta.num_cached_tokens)
+            text = delta.text
+            if not echoed[index]:
+                text, echoed[index] = prefixes[index] + text, True
+            if not text and not delta.finished and not delta.logprobs:
+                continue
+            choice = {"index": index, "text": text, "logprobs": None,
+                      "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
+            if delta.logprobs:
+                choice["logprobs"] = self.completion_logprobs(list(zip(delta.token_ids, delta.logprobs)), offsets[index])
+            offsets[index] += len(delta.text)
+            if req.return_token_ids:
+                choice["token_ids"] = delta.token_ids
+            chunk = {"id": response_id, "object": "text_completion", "created": created, "model": model,
+                     "choices": [choice]}
+            if continuous:
+                chunk["usage"] = self.usage(ids_list, completion_tokens, cached)
+            yield sse(chunk)
+        if include_usage:
+            yield sse({"id": response_id, "object": "text_completion", "created": created, "model": model,
+                       "choices": [], "usage": self.usage(ids_list, completion_tokens, cached)})
+        yield "data: [DONE]\n\n"
+
+    # ----------------------------------------------------------------------------------- chat
+    def chat_prompt(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+        messages = []
+        for m in req.messages:
+            message = m.model_dump(exclude_none=True)
+            if isinstance(m.content, list):
+                message["content"] = "".join(part.get("text", "") for part in m.content
+                                             if part.get("type") in ("text", "input_text"))
+            if m.reasoning is not None and m.reasoning_content is None:
+                message["reasoning_content"] = m.reasoning
+            messages.append(message)
+        if not messages:
+            raise APIError(400, "messages must not be empty", param="messages")
+        if req.continue_final_message and req.add_generation_prompt:
+            raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true",
+                           param="continue_final_message")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message, tools=req.tools,
+                **(req.chat_template_kwargs or {}))
+        except Exception as exc:
+            raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from None
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request):
+        model = self.check_model(req.model)
+        params = req.to_sampling_params()
+        prompt_text, ids = self.chat_prompt(req)
+
+        def reasoning_for(_):
+            parsers = [make_reasoning_parser(self.reasoning_parser, prompt_text, req.chat_template_kwargs)
+                       for _ in range(params.n)]
+            return parsers if any(parsers) else None
+
+        timer = RequestTimer(self.metrics)
+        streams = await self._submit(raw, [ids], params, reasoning_for)
+        created, response_id = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            return StreamingResponse(self._guard(self._stream_chat(req, streams, ids, model, created, response_id,
+                                                                   timer)), media_type="text/event-stream")
+        choices = [Choice(i) for i in range(params.n)]
+        cached = await self._collect(raw, streams, params.n, choices, timer)
+        body_choices = []
+        for c in choices:
+            message = {"role": "assistant", "content": c.text}
+            if c.reasoning:
+                message["reasoning"] = message["reasoning_content"] = c.reasoning
+            choice = {"index": c.index, "message": message,
+                      "logprobs": self.chat_logprobs(c.logprobs) if params.logprobs is not None else None,
+                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if req.return_token_ids:
+                choice["token_ids"] = c.token_ids
+            body_choices.append(choice)
+        body = {"id": response_id, "object": "chat.completion", "created": created, "model": model,
+                "choices": body_choices,
+                "usage": self.usage([ids], sum(len(c.token_ids) for c in choices), cached)}
+        if req.return_token_ids:
+            body["prompt_token_ids"] = ids
+        return JSONResponse(body)
+
+    async def _stream_chat(self, req, streams, ids, model, created, response_id, timer):
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = include_usage and req.stream_options.continuous_usage_stats
+        head = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model}
+        completion_tokens, cached = 0, [0]
+        for index in range(req.n):
+            chunk = {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}]}
+            if continuous:
+                chunk["usage"] = self.usage([ids], 0, cached)
+            yield sse(chunk)
+        async for index, delta in self._merge(streams, req.n, timer):
+            completion_tokens += len(delta.token_ids)
+            cached[0] = max(cached[0], delta.num_cached_tokens)
+            if not delta.text and not delta.reasoning and not delta.finished and not delta.logprobs:
+                continue
+            message = {}
+            if delta.reasoning:
+                message["reasoning"] = message["reasoning_content"] = delta.reasoning
+            if delta.text or not delta.reasoning:
+                message["content"] = delta.text
+            choice = {"index": index, "delta": message, "logprobs": None, "finish_reason": delta.finish_reason}
+            if delta.finished:
+                choice["stop_reason"] = delta.stop_reason
+            if delta.logprobs:
+                choice["logprobs"] = self.chat_logprobs(list(zip(delta.token_ids, delta.logprobs)))
+            if req.return_token_ids:
+                choice["token_ids"] = delta.token_ids
+            chunk = {**head, "choices": [choice]}
+            if continuous:
+                chunk["usage"] = self.usage([ids], completion_tokens, cached)
+            yield sse(chunk)
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": self.usage([ids], completion_tokens, cached)})
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,349 @@
+"""End to end: `nanoserve serve` on the real SmolLM2 model as a subprocess (two API-server processes),
+driven by the official `openai` client (sync and async) and by raw HTTP."""
+import asyncio
+import json
+import os
+import re
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from server_process import ServerProcess
+
+GREEDY = dict(temperature=0, max_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc = ServerProcess("--api-server-count", "2", "--max-model-len", "256",
+                         "--allowed-origins", "http://example.com", "--served-model-name", "smol")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_completions_and_chat_with_the_openai_client(client):
+    out = client.completions.create(model="smol", prompt="The capital of France is", **GREEDY)
+    assert "Paris" in out.choices[0].text and out.choices[0].finish_reason == "length"
+    assert out.usage.prompt_tokens == 5 and out.usage.completion_tokens == 16
+    assert out.usage.total_tokens == 21 and out.usage.prompt_tokens_details.cached_tokens >= 0
+    chat = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Say hi"}],
+                                          **GREEDY)
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
+    assert chat.object == "chat.completion" and chat.usage.completion_tokens > 0
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["smol"]
+
+
+def test_streamed_text_equals_non_streamed_text(client):
+    prompt = "Write one sentence about the sea."
+    whole = client.completions.create(model="smol", prompt="The sea is", **GREEDY)
+    chunks = list(client.completions.create(model="smol", prompt="The sea is", stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    messages = [{"role": "user", "content": prompt}]
+    full = client.chat.completions.create(model="smol", messages=messages, **GREEDY).choices[0].message.content
+    chunks = list(client.chat.completions.create(model="smol", messages=messages, stream=True, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_async_client_n_seed_and_logprobs(server):
+    async def main():
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        kw = dict(model="smol", messages=[{"role": "user", "content": "Name a fruit."}], n=3, seed=7,
+                  temperature=1.0, max_tokens=8)
+        first, second = await asyncio.gather(client.chat.completions.create(**kw),
+                                             client.chat.completions.create(**kw))
+        assert len(first.choices) == 3 and [c.index for c in first.choices] == [0, 1, 2]
+        assert [c.message.content for c in first.choices] == [c.message.content for c in second.choices]
+        lp = await client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}],
+                                                  logprobs=True, top_logprobs=2, **GREEDY)
+        content = lp.choices[0].logprobs.content
+        assert len(content) == lp.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in content)
+        assert content[0].top_logprobs[0].logprob >= content[0].top_logprobs[1].logprob
+        assert content[0].bytes == list(content[0].token.encode())
+        cl = await client.completions.create(model="smol", prompt="One, two,", logprobs=3, **GREEDY)
+        logprobs = cl.choices[0].logprobs
+        assert len(logprobs.tokens) == 16 and len(logprobs.top_logprobs[0]) >= 3
+        assert "".join(logprobs.tokens) == cl.choices[0].text and logprobs.text_offset[0] == 0
+        # n > 1 streamed: chunks interleave by index, each choice ends with its own finish_reason.
+        stream = await client.completions.create(model="smol", prompt="Once upon a time", n=2, seed=1,
+                                                 temperature=0.8, max_tokens=6, stream=True)
+        finished = {}
+        async for chunk in stream:
+            for c in chunk.choices:
+                if c.finish_reason:
+                    finished[c.index] = c.finish_reason
+        assert finished == {0: "length", 1: "length"}
+        await client.close()
+
+    asyncio.run(main())
+
+
+def test_stop_strings_and_extra_body(client):
+    base = client.completions.create(model="smol", prompt="Count: one, two, three,", max_tokens=24,
+                                     temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+    assert " five" in base
+    out = client.completions.create(model="smol", prompt="Count: one, two, three,", max_tokens=24, temperature=0,
+                                    stop=[" five"], extra_body={"ignore_eos": True})
+    choice = out.choices[0]
+    assert choice.text == base[:base.index(" five")] and choice.finish_reason == "stop"
+    assert choice.model_extra["stop_reason"] == " five"
+    kept = client.completions.create(model="smol", prompt="Count: one, two, three,", max_tokens=24, temperature=0,
+                                     stop=" five", extra_body={"include_stop_str_in_output": True,
+                                                                "return_token_ids": True})
+    assert kept.choices[0].text.endswith(" five") and kept.choices[0].model_extra["token_ids"]
+    extras = client.completions.create(
+        model="smol", prompt="Hello", max_tokens=8, temperature=0.7, seed=3,
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.2, "min_tokens": 8, "ignore_eos": True,
+                    "stop_token_ids": [2], "skip_special_tokens": True, "unknown_field": 1})
+    assert extras.usage.completion_tokens == 8
+    chat = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Say yes"}],
+                                          max_completion_tokens=3, temperature=0,
+                                          extra_body={"chat_template_kwargs": {}, "add_generation_prompt": True})
+    assert chat.usage.completion_tokens <= 3
+
+
+def test_raw_sse_framing(server):
+    body = {"model": "smol", "messages": [{"role": "user", "content": "Hi"}], "stream": True, "max_tokens": 4,
+            "temperature": 0, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = "".join(r.iter_text())
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    payloads = [json.loads(e[len("data: "):]) for e in events[:-2]]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert payloads[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] == 4
+    assert all("usage" in p for p in payloads)
+    assert payloads[-2]["choices"][0]["finish_reason"] == "length"
+    # Completions: no role chunk, same ending.
+    body = {"model": "smol", "prompt": "Hi", "stream": True, "max_tokens": 3, "temperature": 0}
+    raw = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).text
+    assert raw.endswith("data: [DONE]\n\n") and '"role"' not in raw
+
+
+def error_of(response, status):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "temperature": 5}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "logprobs": 50}, "logprobs"),
+    ({"prompt": "x", "max_tokens": "lots"}, "max_tokens"),
+    ({"prompt": "x", "logit_bias": {"999999": 5}}, None),
+    ({"temperature": 0.5}, "prompt"),
+    ({"prompt": "x", "stream": True, "top_k": -5}, "top_k"),
+])
+def test_invalid_parameters_are_400(server, body, param):
+    error = error_of(httpx.post(f"{server.url}/v1/completions", json=body, timeout=30), 400)
+    if param:
+        assert param in error["message"] and error["param"] == param
+
+
+def test_error_cases(server):
+    url = server.url
+    error = error_of(httpx.post(f"{url}/v1/completions", content=b"{not json", timeout=30,
+                                headers={"content-type": "application/json"}), 400)
+    assert "JSON" in error["message"]
+    long_prompt = list(range(1000, 1300))
+    error = error_of(httpx.post(f"{url}/v1/completions", json={"prompt": long_prompt}, timeout=30), 400)
+    assert "256" in error["message"] and "300" in error["message"]
+    # Streaming requests are validated before the stream starts: a plain HTTP error.
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
+        "messages": [{"role": "user", "content": "x" * 2000}], "stream": True})
+    error_of(r, 400)
+    error = error_of(httpx.post(f"{url}/v1/completions", json={"prompt": "x", "model": "gpt-9"}, timeout=30), 404)
+    assert "gpt-9" in error["message"]
+    # max_tokens beyond the context is clamped, not rejected.
+    r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "prompt": list(range(1000, 1250)), "max_tokens": 10_000, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_tokenize_detokenize_version_health_cors_request_id(server):
+    url = server.url
+    tok = httpx.post(f"{url}/tokenize", json={"prompt": "Hello world", "add_special_tokens": False}).json()
+    assert tok["count"] == len(tok["tokens"]) == 2 and tok["max_model_len"] == 256
+    assert httpx.post(f"{url}/detokenize", json={"tokens": tok["tokens"]}).json() == {"prompt": "Hello world"}
+    chat_tok = httpx.post(f"{url}/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat_tok["count"] > 5
+    error_of(httpx.post(f"{url}/detokenize", json={"tokens": [10**7]}), 400)
+    assert httpx.get(f"{url}/version").json()["version"]
+    assert httpx.get(f"{url}/health").status_code == 200
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
+                   headers={"X-Request-Id": "my-id-42", "Origin": "http://example.com"})
+    assert r.headers["x-request-id"] == "my-id-42"
+    assert r.headers["access-control-allow-origin"] == "http://example.com"
+    pre = httpx.options(f"{url}/v1/completions", headers={"Origin": "http://example.com",
+                                                          "Access-Control-Request-Method": "POST"})
+    assert pre.status_code == 200
+
+
+def test_seeded_request_is_the_same_alone_and_under_load(server):
+    seeded = {"model": "smol", "prompt": "My favourite colour is", "temperature": 1.0, "seed": 1234,
+              "max_tokens": 24}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
+            alone = (await http.post("/v1/completions", json=seeded)).json()["choices"][0]["text"]
+            others = [http.post("/v1/completions", json={"prompt": f"Story number {i}:", "temperature": 0.9,
+                                                          "max_tokens": 32, "ignore_eos": True})
+                      for i in range(16)]
+            results = await asyncio.gather(http.post("/v1/completions", json=seeded), *others)
+            assert all(r.status_code == 200 for r in results)
+            return alone, results[0].json()["choices"][0]["text"]
+
+    alone, loaded = asyncio.run(main())
+    assert alone == loaded
+
+
+def test_64_concurrent_mixed_requests_all_finish(server):
+    async def one(http, i):
+        kind = i % 4
+        if kind in (0, 1):
+            body = {"prompt": f"Request {i}: tell me about the number {i}.", "max_tokens": 12 + i % 7,
+                    "temperature": 0 if kind == 0 else 0.8, "seed": i, "stop": ["\n\n", "zz"]}
+            path = "/v1/completions"
+        else:
+            body = {"messages": [{"role": "user", "content": f"Question {i}: what is {i} + 1?"}],
+                    "max_tokens": 10 + i % 5, "temperature": 0 if kind == 2 else 1.0, "stop": ["."]}
+            path = "/v1/chat/completions"
+        if i % 2:
+            body["stream"] = True
+            finish = None
+            async with http.stream("POST", path, json=body) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        for c in json.loads(line[6:])["choices"]:
+                            finish = c.get("finish_reason") or finish
+            return finish
+        r = await http.post(path, json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["finish_reason"]
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=600,
+                                     limits=httpx.Limits(max_connections=100)) as http:
+            return await asyncio.gather(*(one(http, i) for i in range(64)))
+
+    finishes = asyncio.run(main())
+    assert len(finishes) == 64 and all(f in ("stop", "length") for f in finishes), finishes
+    time.sleep(0.5)
+    assert server.metric("nanoserve:num_requests_running") == 0
+
+
+def test_client_disconnect_frees_kv_blocks(server):
+    body = {"prompt": "Write a very long story.", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(6):
+            next(lines)
+        assert server.metric("nanoserve:num_requests_running") >= 1
+        assert server.metric("nanoserve:kv_cache_usage_perc") > 0
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if server.metric("nanoserve:num_requests_running") == 0 and \
+                server.metric("nanoserve:kv_cache_usage_perc") == 0:
+            break
+        time.sleep(0.1)
+    assert server.metric("nanoserve:num_requests_running") == 0
+    assert server.metric("nanoserve:kv_cache_usage_perc") == 0
+    assert server.metric('nanoserve:request_success_total{finished_reason="abort"}') >= 1
+
+
+def test_metrics(server):
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ["nanoserve:request_success_total", "nanoserve:prompt_tokens_total",
+                 "nanoserve:generation_tokens_total", "nanoserve:time_to_first_token_seconds_bucket",
+                 "nanoserve:inter_token_latency_seconds_bucket", "nanoserve:e2e_request_latency_seconds_bucket",
+                 "nanoserve:num_requests_running", "nanoserve:num_requests_waiting",
+                 "nanoserve:kv_cache_usage_perc", "nanoserve:prefix_cache_hit_rate"]:
+        assert name in text, name
+    assert server.metric("nanoserve:generation_tokens_total") > 100
+    assert server.metric("nanoserve:prefix_cache_hits") > 0  # repeated prompts above hit the cache
+
+
+def test_sigterm_drains_in_flight_requests(server):
+    result = {}
+
+    def request():
+        result["r"] = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+            "prompt": "Tell a story.", "max_tokens": 48, "ignore_eos": True})
+
+    t = threading.Thread(target=request)
+    t.start()
+    time.sleep(1.0)
+    assert server.stop() == 0
+    t.join()
+    assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == 48
+
+
+@pytest.fixture(scope="module")
+def guarded_server():
+    proc = ServerProcess("--api-key", "k1", "--api-key", "k2", "--max-num-seqs", "1",
+                         "--max-waiting-requests", "1")
+    yield proc
+    proc.stop()
+
+
+def test_api_keys(guarded_server):
+    url = guarded_server.url
+    error_of(httpx.get(f"{url}/v1/models"), 401)
+    error_of(httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer nope"}), 401)
+    assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer k2"}).status_code == 200
+    assert httpx.get(f"{url}/health").status_code == 200 and httpx.get(f"{url}/metrics").status_code == 200
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="k1", max_retries=0)
+    assert client.completions.create(model=client.models.list().data[0].id, prompt="Hi", max_tokens=2).choices
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{url}/v1", api_key="bad", max_retries=0).models.list()
+
+
+def test_full_queue_is_503_and_a_dead_engine_ends_requests(guarded_server):
+    url, auth = guarded_server.url, {"Authorization": "Bearer k1"}
+    long = {"prompt": "Go on forever.", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60, headers=auth) as http, \
+            http.stream("POST", f"{url}/v1/completions", json=long) as running:
+        lines = running.iter_lines()
+        next(lines)
+        waiting_result = {}
+
+        def wait_in_queue():  # max-num-seqs 1: this one waits behind the running one
+            with httpx.stream("POST", f"{url}/v1/completions", json=long, headers=auth, timeout=60) as r:
+                waiting_result["body"] = "".join(r.iter_text())
+
+        thread = threading.Thread(target=wait_in_queue)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while guarded_server.metric("nanoserve:num_requests_waiting") < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        error = error_of(httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, headers=auth), 503)
+        assert "overloaded" in error["message"]
+        # Kill the engine core: in-flight streams end with an error event, the server exits non-zero.
+        core_pid = int(re.search(r"engine-core\[(\d+)\]", guarded_server.output()).group(1))
+        os.kill(core_pid, signal.SIGKILL)
+        rest = "\n".join(lines)
+        assert '"error"' in rest and rest.rstrip().endswith("data: [DONE]")
+        thread.join(30)
+        assert '"error"' in waiting_result["body"]
+    assert guarded_server.proc.wait(30) != 0
