@@ -22,7 +22,7 @@ def smollm_path() -> str:
 @pytest.fixture(scope="session")
 def smollm_llm(smollm_path):
     from nanoserve import LLM
-    return LLM(smollm_path, dtype="float32", seed=0)
+    return LLM(smollm_path, seed=0)  # the default weights: float32 + exact 4/8-bit blocks
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
-"""The compiled C decode-attention kernel against a plain PyTorch reference, and the model's output
-with and without it."""
+"""The compiled C kernels (paged decode attention, 4-bit and 8-bit block matrix products) against plain
+PyTorch references, and the model's output with and without them."""
 import shutil
 import sysconfig
 
@@ -49,3 +49,40 @@ def test_model_output_same_with_and_without_kernel(tiny_models):
                            use_kernels=False).run(seqs, 1000, plen)
     for a, b in zip(with_kernel, without):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16])
+def test_block_linear_matches_dequantized_reference(rows):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(200, 96, generator=g)
+    x = torch.randn(rows, 96, generator=g)
+    for blocks, dequant in [(kernels.quantize_q4(w), kernels.dequantize_q4),
+                            (kernels.quantize_q8(w), kernels.dequantize_q8)]:
+        ref = x @ dequant(*blocks).T
+        out = kernels.block_linear(lib, x, blocks)
+        assert torch.allclose(out, ref, atol=1e-4, rtol=1e-5)
+        assert (dequant(*blocks) - w).abs().max() < w.abs().max() / (14 if len(blocks) == 3 else 250)
+
+
+def test_gguf_style_blocks_round_trip_exactly():
+    """A weight made of Q4_1 blocks (d * q + m, q in 0..15) or Q8_0 blocks (d * q, |q| <= 127) comes
+    back exactly, which is what lets the default weights use the kernels without changing results."""
+    g = torch.Generator().manual_seed(1)
+    n, nb = 64, 6
+    q = torch.randint(0, 16, (n, nb, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15  # the quantizer put the block's min and max at the ends of the range
+    d, m = torch.rand(n, nb, 1, generator=g) * 0.1, torch.randn(n, nb, 1, generator=g) * 0.1
+    w = (q * d + m).reshape(n, nb * 32)
+    assert (kernels.dequantize_q4(*kernels.quantize_q4(w)) - w).abs().max() < 1e-6
+    q8 = torch.randint(-127, 128, (n, nb, 32), generator=g).float()
+    q8[..., 0] = 127
+    w8 = (q8 * d).reshape(n, nb * 32)
+    assert (kernels.dequantize_q8(*kernels.quantize_q8(w8)) - w8).abs().max() < 1e-6
+
+
+def test_default_weights_put_every_smollm2_matrix_on_exact_blocks(smollm_llm):
+    from nanoserve.model.layers import Linear
+
+    layers = [m for m in smollm_llm.engine.runner.model.modules() if isinstance(m, Linear)]
+    kinds = [len(m.blocks) if m.blocks is not None else None for m in layers]
+    assert kinds.count(3) == 120 and kinds[-1] == 2  # Q4_1 layers on 4-bit blocks, the Q8_0 lm_head on 8-bit

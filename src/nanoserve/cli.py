@@ -17,7 +17,8 @@ def _engine_args(ap: argparse.ArgumentParser, positional_model: bool = False) ->
         ap.add_argument("model", nargs="?", default=None, help=help_text)
     else:
         ap.add_argument("--model", default=None, help=help_text)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "q4"],
+                    help="weights: auto = float32 plus exact 4/8-bit blocks for small steps (default)")
     ap.add_argument("--max-model-len", type=int, default=0)
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -135,8 +136,8 @@ def main(argv=None) -> None:
     chat.add_argument("--system", default=None)
     _engine_args(chat)
     _sampling_args(chat)
-    bench = sub.add_parser("bench", help="benchmarks: offline, sampler, detokenize")
-    bench.add_argument("which", choices=["offline", "sampler", "detokenize"])
+    bench = sub.add_parser("bench", help="benchmarks: offline, sampler, detokenize, serve")
+    bench.add_argument("which", choices=["offline", "sampler", "detokenize", "serve"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
 
@@ -152,6 +153,9 @@ def main(argv=None) -> None:
         elif args.command == "bench" and args.which == "offline":
             from nanoserve.bench import offline
             offline.main(args.rest)
+        elif args.command == "bench" and args.which == "serve":
+            from nanoserve.bench import serve as bench_serve
+            bench_serve.main(args.rest)
         elif args.command == "bench" and args.which == "detokenize":
             from nanoserve.bench import detokenize
             detokenize.main(args.rest)

@@ -47,7 +47,7 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str  # path to a .gguf file or a Hugging Face model directory
-    dtype: str = "float32"
+    dtype: str = "auto"  # see model.registry.WEIGHT_MODES
     seed: int = 0
     num_threads: Optional[int] = None
     # "raw": logprobs of the model's distribution (vLLM V1's default); "processed": of the distribution

@@ -120,10 +120,12 @@ class EngineCoreProc:
         self.io_thread.start()
         engine = self.engine
         while not self.stopping:
-            changed = self._drain_inputs(block=not engine.has_unfinished())
+            idle = not engine.has_unfinished()
+            changed = self._drain_inputs(block=idle)
             outputs = engine.step() if engine.has_unfinished() else []
-            if not outputs and not changed:
-                continue
+            if not outputs and not changed and not idle:
+                continue  # a step of prefill chunks only: nothing to tell
+            # (An idle wait that timed out still sends stats, so the gauges stay current.)
             by_client: dict[bytes, list] = {}
             for out in outputs:
                 identity = self.owner.get(out.request_id)

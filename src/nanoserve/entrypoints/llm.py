@@ -29,7 +29,7 @@ def logprob_entry(token: int, lp: TokenLogprobs) -> dict[int, Logprob]:
 
 
 class LLM:
-    def __init__(self, model: Optional[str] = None, dtype: str = "float32", *, max_model_len: int = 0,
+    def __init__(self, model: Optional[str] = None, dtype: str = "auto", *, max_model_len: int = 0,
                  max_num_seqs: int = 128, max_num_batched_tokens: int = 2048, block_size: int = 16,
                  kv_cache_memory: int = 2 << 30, num_kv_blocks: Optional[int] = None,
                  enable_prefix_caching: bool = True, seed: int = 0, num_threads: Optional[int] = None,

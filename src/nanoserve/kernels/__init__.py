@@ -1,6 +1,6 @@
-"""Small C kernels for the CPU hot spots PyTorch has no fused op for (paged decode attention),
-compiled with the system C compiler on first use into a per-user cache and loaded with ctypes.
-When no compiler is available, callers fall back to the pure PyTorch path."""
+"""Small C kernels for the CPU hot spots PyTorch has no fused op for (paged decode attention, matrix
+products on 4-bit weight blocks), compiled with the system C compiler on first use into a per-user
+cache and loaded with ctypes. When no compiler is available, callers fall back to PyTorch."""
 from __future__ import annotations
 
 import ctypes
@@ -16,7 +16,7 @@ import torch
 from nanoserve.cache import cache_dir
 
 logger = logging.getLogger(__name__)
-_SOURCE = os.path.join(os.path.dirname(__file__), "decode_attention.c")
+_SOURCES = [os.path.join(os.path.dirname(__file__), name) for name in ("decode_attention.c", "block_linear.c")]
 _lib: Optional[ctypes.CDLL] = None
 _tried = False
 
@@ -29,9 +29,11 @@ def load() -> Optional[ctypes.CDLL]:
     _tried = True
     if os.environ.get("NANOSERVE_NO_KERNELS"):
         return None
-    with open(_SOURCE, "rb") as f:
-        digest = hashlib.sha256(f.read() + os.uname().machine.encode()).hexdigest()[:16]
-    path = os.path.join(cache_dir("kernels"), f"decode_attention-{digest}.so")
+    digest = hashlib.sha256(os.uname().machine.encode())
+    for source in _SOURCES:
+        with open(source, "rb") as f:
+            digest.update(f.read())
+    path = os.path.join(cache_dir("kernels"), f"nanoserve-kernels-{digest.hexdigest()[:16]}.so")
     try:
         if not os.path.isfile(path):
             os.makedirs(cache_dir("kernels"), exist_ok=True)
@@ -39,7 +41,7 @@ def load() -> Optional[ctypes.CDLL]:
             tmp = f"{path}.{os.getpid()}.tmp"
             subprocess.run([*cc.split(), "-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros",
                             "-fno-trapping-math", "-fopenmp", "-shared",
-                            "-fPIC", _SOURCE, "-o", tmp, "-lm"], check=True, capture_output=True, timeout=120)
+                            "-fPIC", *_SOURCES, "-o", tmp, "-lm"], check=True, capture_output=True, timeout=120)
             os.replace(tmp, path)
         lib = ctypes.CDLL(path)
     except (OSError, subprocess.SubprocessError) as exc:
@@ -48,6 +50,10 @@ def load() -> Optional[ctypes.CDLL]:
     i64, f32p = ctypes.c_int64, ctypes.c_void_p
     lib.decode_attention_f32.argtypes = [f32p] * 6 + [i64] * 6 + [ctypes.c_float]
     lib.decode_attention_f32.restype = None
+    lib.q4_linear_f32.argtypes = [f32p] * 5 + [i64] * 3
+    lib.q4_linear_f32.restype = None
+    lib.q8_linear_f32.argtypes = [f32p] * 4 + [i64] * 3
+    lib.q8_linear_f32.restype = None
     _lib = lib
     return lib
 
@@ -61,4 +67,55 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v
     lib.decode_attention_f32(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
                              ctx_lens.data_ptr(), out.data_ptr(), batch, num_heads, k_cache.shape[0],
                              head_dim, k_cache.shape[1], slots.shape[1], scale)
+    return out
+
+
+def quantize_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N, K) float weights -> 4-bit blocks of 32 along K: packed nibbles (N, K/2) uint8, scales d and
+    minimums m (N, K/32) float32, with w ~= d * q + m. Weights that came from a GGUF Q4_1 block
+    (which uses both ends of its 0..15 range) come back exactly, up to float rounding."""
+    n, k = w.shape
+    blocks = w.float().reshape(n, k // 32, 32)
+    lo = blocks.amin(dim=-1)
+    d = (blocks.amax(dim=-1) - lo) / 15
+    q = torch.where(d.unsqueeze(-1) > 0, (blocks - lo.unsqueeze(-1)) / d.clamp(min=1e-30).unsqueeze(-1),
+                    torch.zeros_like(blocks)).round_().clamp_(0, 15).to(torch.uint8)
+    packed = q[..., :16] | (q[..., 16:] << 4)  # byte j: weight j (low nibble), weight j + 16 (high)
+    return packed.reshape(n, k // 2).contiguous(), d.contiguous(), lo.contiguous()
+
+
+def dequantize_q4(packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    n, nb = d.shape
+    nibbles = packed.reshape(n, nb, 16)
+    q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).float()  # (N, nb, 32)
+    return (q * d.unsqueeze(-1) + m.unsqueeze(-1)).reshape(n, nb * 32)
+
+
+def quantize_q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) float weights -> 8-bit blocks of 32 along K: q (N, K) int8 and scales d (N, K/32), with
+    w ~= d * q. Exact for weights from a GGUF Q8_0 tensor."""
+    n, k = w.shape
+    blocks = w.float().reshape(n, k // 32, 32)
+    d = blocks.abs().amax(dim=-1) / 127
+    q = (blocks / d.clamp(min=1e-30).unsqueeze(-1)).round_().clamp_(-127, 127).to(torch.int8)
+    return q.reshape(n, k).contiguous(), d.contiguous()
+
+
+def dequantize_q8(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    n, nb = d.shape
+    return (q.reshape(n, nb, 32).float() * d.unsqueeze(-1)).reshape(n, nb * 32)
+
+
+def block_linear(lib: ctypes.CDLL, x: torch.Tensor, blocks: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """x (M, K) float32 -> (M, N) with a weight from `quantize_q4` (3 tensors) or `quantize_q8` (2)."""
+    x = x.contiguous()
+    n = blocks[0].shape[0]
+    out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    if len(blocks) == 3:
+        packed, d, m = blocks
+        lib.q4_linear_f32(x.data_ptr(), packed.data_ptr(), d.data_ptr(), m.data_ptr(), out.data_ptr(),
+                          x.shape[0], x.shape[1], n)
+    else:
+        q, d = blocks
+        lib.q8_linear_f32(x.data_ptr(), q.data_ptr(), d.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], n)
     return out

@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import torch
 
+from nanoserve import kernels
 from nanoserve.config import ModelConfig
 from nanoserve.model.layers import Linear, RotaryEmbedding
 from nanoserve.model.llama import LlamaForCausalLM
 from nanoserve.model.loader import ModelLoadError, load_model_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# "auto": float32, plus 4-bit or 8-bit blocks for small steps on every matrix they represent exactly
+# (a GGUF Q4_1 / Q8_0 model's). "q4": 4-bit blocks on every matrix, exact or not.
+WEIGHT_MODES = ["auto", "float32", "bfloat16", "q4"]
+Q4_EXACT_TOLERANCE = 1e-5  # relative to the matrix's largest weight
 
 
 def build_model(path: str, dtype: str, max_positions: int = 0) -> tuple[ModelConfig, LlamaForCausalLM]:
-    if dtype not in DTYPES:
-        raise ModelLoadError(f"{path}: unsupported dtype {dtype!r} (choose float32 or bfloat16)")
+    if dtype not in WEIGHT_MODES:
+        raise ModelLoadError(f"{path}: unsupported dtype {dtype!r} (choose one of {', '.join(WEIGHT_MODES)})")
     config, state = load_model_weights(path)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, 1)
@@ -26,11 +31,33 @@ def build_model(path: str, dtype: str, max_positions: int = 0) -> tuple[ModelCon
     except RuntimeError as exc:  # shape mismatch
         raise ModelLoadError(f"{path}: weights do not match the config ({str(exc).splitlines()[0]})") from None
     # Only the big matrices take the chosen dtype; norms, biases, activations and KV stay float32.
-    weight_dtype = DTYPES[dtype]
+    weight_dtype = DTYPES.get(dtype, torch.float32)
     for module in model.modules():
         if isinstance(module, (Linear, torch.nn.Embedding)):
             module.weight.data = module.weight.data.to(weight_dtype)
+    if dtype in ("auto", "q4") and kernels.load() is not None:
+        attach_weight_blocks(model, exact_only=dtype == "auto")
     # cos/sin tables stay float32, sized for the context we will actually serve.
     model.rope = RotaryEmbedding(config.head_dim, max_positions or config.max_position_embeddings,
                                  config.rope_theta, config.rope_scaling)
     return config, model.eval()
+
+
+def attach_weight_blocks(model: LlamaForCausalLM, exact_only: bool) -> int:
+    """Gives Linear layers a 4-bit (or else 8-bit) block copy of their weight for small steps; with
+    `exact_only`, only a copy that reproduces the weight exactly. Returns how many layers got one."""
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, Linear) or module.weight.shape[1] % 32:
+            continue
+        w = module.weight.data.float()
+        limit = Q4_EXACT_TOLERANCE * float(w.abs().max())
+        q4 = kernels.quantize_q4(w)
+        if not exact_only or float((kernels.dequantize_q4(*q4) - w).abs().max()) <= limit:
+            module.blocks = q4
+        else:
+            q8 = kernels.quantize_q8(w)
+            if float((kernels.dequantize_q8(*q8) - w).abs().max()) <= limit:
+                module.blocks = q8
+        count += module.blocks is not None
+    return count

@@ -1,0 +1,149 @@
+"""`nanoserve bench serve --url URL`: an async load generator for any OpenAI-compatible server.
+Streams `/v1/completions` with random prompts of a given length and a fixed output length (EOS ignored
+and banned), `--concurrency` requests in flight, and reports requests/s, output tokens/s, time to first
+token and inter-token latency (p50/p99); for nanoserve also the engine core's idle share."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import httpx
+
+WORDS = ("time year people way day man thing woman life child world school state family student group "
+         "country problem hand part place case week company system program question work government "
+         "number night point home water room mother area money story fact month lot right study book "
+         "eye job word business issue side kind head house service friend father power hour game line "
+         "end member law car city community name president team minute idea kid body information back "
+         "parent face others level office door health person art war history party result change "
+         "morning reason research girl guy moment air teacher force education").split()
+
+
+@dataclass
+class Result:
+    ok: bool
+    ttft: float = 0.0
+    gaps: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    error: str = ""
+
+
+def make_prompt(rng: random.Random, input_len: int) -> str:
+    # Common English words are one token each with their leading space in BPE vocabularies.
+    return " ".join(rng.choice(WORDS) for _ in range(input_len))
+
+
+async def one_request(http: httpx.AsyncClient, url: str, model: Optional[str], prompt: str, output_len: int,
+                      ban: dict) -> Result:
+    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True,
+            "ignore_eos": True, "min_tokens": output_len, "logit_bias": ban,
+            "stream_options": {"include_usage": True}}
+    if model:
+        body["model"] = model
+    start = time.perf_counter()
+    result, last, chunks = Result(ok=True), None, 0
+    try:
+        async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return Result(ok=False, error=f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                payload = json.loads(line[6:])
+                if payload.get("usage"):
+                    result.output_tokens = payload["usage"].get("completion_tokens", 0)
+                if not any(c.get("text") for c in payload.get("choices") or ()):
+                    continue
+                now = time.perf_counter()
+                chunks += 1
+                if last is None:
+                    result.ttft = now - start
+                else:
+                    result.gaps.append(now - last)
+                last = now
+    except httpx.HTTPError as exc:
+        return Result(ok=False, error=repr(exc))
+    result.output_tokens = result.output_tokens or chunks
+    return result
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+async def engine_idle_seconds(http: httpx.AsyncClient, url: str) -> Optional[float]:
+    try:
+        text = (await http.get(f"{url}/metrics")).text
+    except httpx.HTTPError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("nanoserve:engine_idle_seconds "):
+            return float(line.split()[1])
+    return None
+
+
+async def run(url: str, model: Optional[str], concurrency: int, num_prompts: int, input_len: int, output_len: int,
+              ban: dict, seed: int = 0) -> dict:
+    rng = random.Random(seed)
+    prompts = [make_prompt(rng, input_len) for _ in range(num_prompts)]
+    semaphore = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=concurrency + 8)) as http:
+        async def limited(p):
+            async with semaphore:
+                return await one_request(http, url, model, p, output_len, ban)
+
+        idle_before = await engine_idle_seconds(http, url)
+        start = time.perf_counter()
+        results = await asyncio.gather(*(limited(p) for p in prompts))
+        wall = time.perf_counter() - start
+        idle_after = await engine_idle_seconds(http, url)
+    good = [r for r in results if r.ok]
+    gaps = [g for r in good for g in r.gaps]
+    ttfts = [r.ttft for r in good]
+    report = {"concurrency": concurrency, "requests": len(results), "failed": len(results) - len(good),
+              "wall_s": wall, "req_per_s": len(good) / wall, "output_tok_per_s": sum(r.output_tokens for r in good) / wall,
+              "ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99),
+              "itl_p50": percentile(gaps, 50), "itl_p99": percentile(gaps, 99),
+              "errors": sorted({r.error for r in results if not r.ok})[:3]}
+    if idle_before is not None and idle_after is not None:
+        report["engine_idle_share"] = (idle_after - idle_before) / wall
+    return report
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="nanoserve bench serve", description=__doc__)
+    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument("--model", default=None, help="model name to send (default: none)")
+    ap.add_argument("--concurrency", default="1,8,32", help="comma-separated levels")
+    ap.add_argument("--num-prompts", type=int, default=0, help="per level (default: 2 x concurrency)")
+    ap.add_argument("--input-len", type=int, default=100)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--ban-token-ids", default="0,2", help="EOS ids banned by logit_bias, for servers "
+                    "without ignore_eos (SmolLM2: 0 and 2)")
+    ap.add_argument("--label", default="server")
+    ap.add_argument("--json", action="store_true", help="print one JSON line per level")
+    args = ap.parse_args(argv)
+    ban = {t: -100 for t in args.ban_token_ids.split(",") if t}
+    if not args.json:
+        print("| server | concurrency | req/s | output tok/s | TTFT p50 (s) | TTFT p99 (s) | ITL p50 (ms) | "
+              "ITL p99 (ms) | engine idle |\n|---|---|---|---|---|---|---|---|---|")
+    for level in [int(c) for c in args.concurrency.split(",")]:
+        report = asyncio.run(run(args.url.rstrip("/"), args.model, level, args.num_prompts or 2 * level,
+                                 args.input_len, args.output_len, ban))
+        report["label"] = args.label
+        if args.json:
+            print(json.dumps(report), flush=True)
+            continue
+        idle = f"{report['engine_idle_share'] * 100:.1f}%" if "engine_idle_share" in report else "n/a"
+        failed = f" ({report['failed']} failed: {report['errors']})" if report["failed"] else ""
+        print(f"| {args.label} | {level} | {report['req_per_s']:.2f} | {report['output_tok_per_s']:.1f} | "
+              f"{report['ttft_p50']:.2f} | {report['ttft_p99']:.2f} | {report['itl_p50'] * 1e3:.0f} | "
+              f"{report['itl_p99'] * 1e3:.0f} | {idle} |{failed}", flush=True)
