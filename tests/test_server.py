@@ -114,6 +114,16 @@ def test_stop_strings_and_extra_body(client):
                                           max_completion_tokens=3, temperature=0,
                                           extra_body={"chat_template_kwargs": {}, "add_generation_prompt": True})
     assert chat.usage.completion_tokens <= 3
+    scored = client.completions.create(model="smol", prompt="One two three", max_tokens=1,
+                                       extra_body={"prompt_logprobs": 1, "bad_words": ["four"]})
+    prompt_lp = scored.choices[0].model_extra["prompt_logprobs"]
+    assert prompt_lp[0] is None and len(prompt_lp) == 3 and all(v["logprob"] <= 0 for v in prompt_lp[1].values())
+    echo = client.completions.create(model="smol", prompt="Hello there", echo=True, max_tokens=2, temperature=0)
+    assert echo.choices[0].text.startswith("Hello there") and len(echo.choices[0].text) > len("Hello there")
+    history = [{"role": "user", "content": "Hi"},
+               {"role": "assistant", "content": "Hello!", "reasoning_content": "greet back"},
+               {"role": "user", "content": "Bye"}]
+    assert client.chat.completions.create(model="smol", messages=history, max_tokens=2).choices
 
 
 def test_raw_sse_framing(server):
@@ -302,7 +312,7 @@ def test_sigterm_drains_in_flight_requests(server):
 @pytest.fixture(scope="module")
 def guarded_server():
     proc = ServerProcess("--api-key", "k1", "--api-key", "k2", "--max-num-seqs", "1",
-                         "--max-waiting-requests", "1")
+                         "--max-waiting-requests", "1", "--reasoning-parser", "deepseek_r1")
     yield proc
     proc.stop()
 
@@ -317,6 +327,24 @@ def test_api_keys(guarded_server):
     assert client.completions.create(model=client.models.list().data[0].id, prompt="Hi", max_tokens=2).choices
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="bad", max_retries=0).models.list()
+
+
+def test_reasoning_parser_fields(guarded_server):
+    """deepseek_r1: the output starts inside the reasoning; SmolLM2 never closes it, so everything is
+    reasoning, in both field names, streamed and not; enable_thinking=false turns the parser off."""
+    client = openai.OpenAI(base_url=f"{guarded_server.url}/v1", api_key="k1", max_retries=0)
+    model = client.models.list().data[0].id
+    kw = dict(model=model, messages=[{"role": "user", "content": "Think about 1+1."}], max_tokens=8,
+              temperature=0)
+    message = client.chat.completions.create(**kw).choices[0].message
+    assert message.model_extra["reasoning"] and message.model_extra["reasoning_content"] == message.model_extra["reasoning"]
+    assert message.content == ""
+    streamed = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or ""
+                       for c in client.chat.completions.create(stream=True, **kw) if c.choices)
+    assert streamed == message.model_extra["reasoning"]
+    plain = client.chat.completions.create(extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+                                           **kw).choices[0].message
+    assert plain.content == message.model_extra["reasoning"] and not plain.model_extra.get("reasoning")
 
 
 def test_full_queue_is_503_and_a_dead_engine_ends_requests(guarded_server):

@@ -61,7 +61,7 @@ def main(argv=None) -> None:
 
     ap = argparse.ArgumentParser(prog="nanoserve bench offline", description=__doc__)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--dtypes", default="float32", help="nanoserve dtypes to measure, comma-separated")
+    ap.add_argument("--dtypes", default="auto", help="nanoserve dtypes to measure, comma-separated")
     ap.add_argument("--baseline-dtype", default="float32", help="dtype of the transformers baseline")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)

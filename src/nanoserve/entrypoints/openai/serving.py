@@ -54,8 +54,11 @@ class Choice:
         self.logprobs: list[tuple[int, TokenLogprobs]] = []
         self.finish_reason: Optional[str] = None
         self.stop_reason = None
+        self.prompt_logprobs: Optional[list[TokenLogprobs]] = None
 
     def add(self, delta: CompletionDelta) -> None:
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.text += delta.text
         self.reasoning += delta.reasoning
         self.token_ids += delta.token_ids
@@ -173,6 +176,18 @@ class OpenAIServing:
                 "prompt_tokens_details": {"cached_tokens": sum(cached)}}
 
     # ----------------------------------------------------------------------------- logprobs
+    def prompt_logprobs(self, prompt_ids: list[int], entries: Optional[list[TokenLogprobs]]) -> Optional[list]:
+        """vLLM's shape: None for the first prompt token, then {token id: {logprob, rank, decoded_token}}."""
+        if entries is None:
+            return None
+        out: list = [None]
+        for token, lp in zip(prompt_ids[1:], entries):
+            item = {str(t): {"logprob": v, "rank": r, "decoded_token": self.token_text(t)}
+                    for r, (t, v) in enumerate(zip(lp.top_token_ids, lp.top_logprobs), start=1)}
+            item[str(token)] = {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": self.token_text(token)}
+            out.append(item)
+        return out
+
     def completion_logprobs(self, entries: list[tuple[int, TokenLogprobs]], offset: int) -> dict:
         tokens, token_logprobs, top, offsets = [], [], [], []
         for token, lp in entries:
@@ -242,6 +257,8 @@ class OpenAIServing:
             if req.return_token_ids:
                 choice["token_ids"] = c.token_ids
                 choice["prompt_token_ids"] = ids_list[c.index // n]
+            if params.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self.prompt_logprobs(ids_list[c.index // n], c.prompt_logprobs)
             body_choices.append(choice)
         completion_tokens = sum(len(c.token_ids) for c in choices)
         return JSONResponse({"id": response_id, "object": "text_completion", "created": created, "model": model,
@@ -338,6 +355,8 @@ class OpenAIServing:
                 "usage": self.usage([ids], sum(len(c.token_ids) for c in choices), cached)}
         if req.return_token_ids:
             body["prompt_token_ids"] = ids
+        if params.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.prompt_logprobs(ids, choices[0].prompt_logprobs)
         return JSONResponse(body)
 
     async def _stream_chat(self, req, streams, ids, model, created, response_id, timer):
