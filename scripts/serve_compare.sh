@@ -1,7 +1,8 @@
 #!/bin/bash
 # Side-by-side serving benchmark: nanoserve (1 and 2 API servers) and llama-cpp-python's server, one
-# at a time on this machine, same GGUF, same load. LLAMA_CPP_PYTHON: the python of a venv with
-# llama-cpp-python[server] installed (built from source; keep it outside this repository).
+# at a time on this machine, same GGUF, same load. Optional, both kept outside this repository:
+# LLAMA_CPP_PYTHON, the python of a venv with llama-cpp-python[server]; LLAMA_SERVER, the llama-server
+# binary built from that package's vendored llama.cpp.
 cd "$(dirname "$0")/.."
 M=$(.venv/bin/python -c "from nanoserve.model.loader import default_model_path; print(default_model_path())")
 wait_up() { for i in $(seq 120); do curl -sf "$1" >/dev/null && return 0; sleep 1; done; return 1; }
@@ -13,8 +14,18 @@ pkill -f "nanoserve serve --port 8021"; sleep 3
 wait_up http://127.0.0.1:8022/health
 .venv/bin/nanoserve bench serve --url http://127.0.0.1:8022 --concurrency 32 --label "nanoserve (2 API servers)"
 pkill -f "nanoserve serve --port 8022"; sleep 3
-"${LLAMA_CPP_PYTHON:-/work/llamacpp/venv/bin/python}" -m llama_cpp.server --model "$M" --port 8023 --n_threads 2 --n_threads_batch 2 \
-    --n_ctx 4096 --interrupt_requests False > /tmp/bench-llamacpp.log 2>&1 &
-wait_up http://127.0.0.1:8023/v1/models
-.venv/bin/nanoserve bench serve --url http://127.0.0.1:8023 --concurrency 1,8,32 --label "llama-cpp-python 0.3.36"
-pkill -f "llama_cpp.server --model"
+if [ -x "${LLAMA_CPP_PYTHON:-}" ]; then
+    "$LLAMA_CPP_PYTHON" -m llama_cpp.server --model "$M" --port 8023 --n_threads 2 --n_threads_batch 2 \
+        --n_ctx 4096 --interrupt_requests False > /tmp/bench-llamacpp.log 2>&1 &
+    wait_up http://127.0.0.1:8023/v1/models
+    .venv/bin/nanoserve bench serve --url http://127.0.0.1:8023 --concurrency 1,8,32 --label "llama-cpp-python"
+    pkill -f "llama_cpp.server --model"; sleep 2
+fi
+# llama.cpp's own C++ server, when built (LLAMA_SERVER: path to the llama-server binary): continuous
+# batching, 32 slots, 2 threads.
+if [ -x "${LLAMA_SERVER:-}" ]; then
+    "$LLAMA_SERVER" -m "$M" --port 8024 -t 2 -tb 2 -np 32 -c 16384 -cb > /tmp/bench-llama-server.log 2>&1 &
+    wait_up http://127.0.0.1:8024/health
+    .venv/bin/nanoserve bench serve --url http://127.0.0.1:8024 --concurrency 1,8,32 --label "llama-server (C++)"
+    kill %% 2>/dev/null; pkill -f "llama-server -m" ; sleep 2
+fi

@@ -39,7 +39,6 @@ class CompletionState:
         self.params = params
         self.detokenizer = IncrementalDetokenizer(tokenizer, params)
         self.reasoning = reasoning
-        self.num_output_tokens = 0
 
 
 class OutputProcessor:
@@ -80,7 +79,6 @@ class OutputProcessor:
                 delta.reasoning, delta.text = state.reasoning.feed(text, final=delta.finished)
             else:
                 delta.text = text
-            state.num_output_tokens += len(out.new_token_ids)
             if delta.finished:
                 del self.states[out.request_id]
             deltas.append(delta)

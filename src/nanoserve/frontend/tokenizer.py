@@ -1,9 +1,12 @@
 """Loads the tokenizer and chat template for a model: from a Hugging Face directory directly, or from
 a GGUF file through `transformers` (slow: it rebuilds a BPE tokenizer from the GGUF vocabulary), whose
-result is cached on disk keyed by the file's size and modification time."""
+result is cached on disk keyed by the file's size and modification time. Also turns bad words into the
+token sequences the engine bans."""
 from __future__ import annotations
 
 import os
+
+import msgspec
 
 from nanoserve.cache import cache_dir, file_key
 from nanoserve.model.loader import ModelLoadError
@@ -45,8 +48,6 @@ def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
 
 def engine_params(tokenizer, params):
     """The `SamplingParams` the engine core gets: bad words turned into token ids, text removed."""
-    import msgspec
-
     if params.bad_words:
         params = msgspec.structs.replace(
             params, bad_words_token_ids=params.bad_words_token_ids + bad_words_token_ids(tokenizer, params.bad_words))
