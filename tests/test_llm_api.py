@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from nanoserve import LLM, CompletionOutput, RequestOutput, SamplingParams
+from nanoserve import CompletionOutput, RequestOutput, SamplingParams
 from nanoserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from nanoserve.engine.core import EngineCore, PromptTooLongError
 from nanoserve.protocol import EngineCoreRequest, FinishReason

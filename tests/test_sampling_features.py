@@ -3,7 +3,6 @@ KV blocks, the logprobs cap, and a chi-square test of top-p sampling on a real d
 import pytest
 import torch
 
-from nanoserve import LLM
 from nanoserve.protocol import EngineCoreRequest
 from nanoserve.sample.metadata import SamplingMetadata, banned_by_bad_words
 from nanoserve.sample.sampler import Sampler

@@ -3,7 +3,6 @@ block tables and derives each next token from the context it reads back, so any 
 tables, prefix caching, chunking or preemption changes the output."""
 import random
 
-import pytest
 
 from nanoserve.config import SchedulerConfig
 from nanoserve.engine.block_manager import BlockManager

@@ -15,7 +15,7 @@ from nanoserve.engine.model_runner import ModelRunner, kv_bytes_per_block
 from nanoserve.engine.request import Request
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.model.registry import build_model
-from nanoserve.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, SchedulerStats
+from nanoserve.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
