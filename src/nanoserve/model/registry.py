@@ -2,9 +2,12 @@
 uses, which maps every loading failure to `ModelLoadError`."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from nanoserve import kernels
+from nanoserve.cache import cache_dir, file_key
 from nanoserve.config import ModelConfig
 from nanoserve.model.layers import Linear, RotaryEmbedding
 from nanoserve.model.llama import LlamaForCausalLM
@@ -36,11 +39,47 @@ def build_model(path: str, dtype: str, max_positions: int = 0) -> tuple[ModelCon
         if isinstance(module, (Linear, torch.nn.Embedding)):
             module.weight.data = module.weight.data.to(weight_dtype)
     if dtype in ("auto", "q4") and kernels.load() is not None:
-        attach_weight_blocks(model, exact_only=dtype == "auto")
+        attach_cached_weight_blocks(path, model, exact_only=dtype == "auto")
     # cos/sin tables stay float32, sized for the context we will actually serve.
     model.rope = RotaryEmbedding(config.head_dim, max_positions or config.max_position_embeddings,
                                  config.rope_theta, config.rope_scaling)
     return config, model.eval()
+
+
+BLOCKS_VERSION = "1"  # bump when the block layout changes
+
+
+def attach_cached_weight_blocks(path: str, model: LlamaForCausalLM, exact_only: bool) -> None:
+    """`attach_weight_blocks`, with the result of a model file cached on disk: checking and building
+    the blocks takes ~4 s for the default model, loading them back ~0.1 s."""
+    from safetensors.torch import load_file, save_file
+
+    if not os.path.isfile(path):  # a Hugging Face directory: build every time
+        attach_weight_blocks(model, exact_only)
+        return
+    mode = "exact" if exact_only else "all"
+    cached = os.path.join(cache_dir("weight-blocks"),
+                          f"{os.path.basename(path)}-{file_key(path, BLOCKS_VERSION + mode)}.safetensors")
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+    if os.path.isfile(cached):
+        try:
+            tensors = load_file(cached)
+            for name, module in linears.items():
+                parts = [tensors[f"{name}.{i}"] for i in range(3) if f"{name}.{i}" in tensors]
+                module.blocks = tuple(parts) if parts else None
+            return
+        except Exception:  # a damaged cache entry is rebuilt below
+            pass
+    attach_weight_blocks(model, exact_only)
+    tensors = {f"{name}.{i}": t for name, m in linears.items() if m.blocks is not None
+               for i, t in enumerate(m.blocks)}
+    try:
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
+        tmp = f"{cached}.{os.getpid()}.tmp"
+        save_file(tensors, tmp)
+        os.replace(tmp, cached)
+    except OSError:
+        pass  # no writable cache: the next start builds them again
 
 
 def attach_weight_blocks(model: LlamaForCausalLM, exact_only: bool) -> int:
