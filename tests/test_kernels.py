@@ -86,3 +86,11 @@ def test_default_weights_put_every_smollm2_matrix_on_exact_blocks(smollm_llm):
     layers = [m for m in smollm_llm.engine.runner.model.modules() if isinstance(m, Linear)]
     kinds = [len(m.blocks) if m.blocks is not None else None for m in layers]
     assert kinds.count(3) == 120 and kinds[-1] == 2  # Q4_1 layers on 4-bit blocks, the Q8_0 lm_head on 8-bit
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 576), (5, 64), (3, 100)])
+def test_rms_norm_kernel_matches_pytorch(rows, dim):
+    g = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, dim, generator=g) * 3, torch.randn(dim, generator=g)
+    ref = torch.nn.functional.rms_norm(x, (dim,), w, 1e-6)
+    assert torch.allclose(kernels.rms_norm(lib, x, w, 1e-6), ref, atol=1e-5, rtol=1e-5)

@@ -54,6 +54,8 @@ def load() -> Optional[ctypes.CDLL]:
     lib.q4_linear_f32.restype = None
     lib.q8_linear_f32.argtypes = [f32p] * 4 + [i64] * 3
     lib.q8_linear_f32.restype = None
+    lib.rms_norm_f32.argtypes = [f32p] * 3 + [i64] * 2 + [ctypes.c_float]
+    lib.rms_norm_f32.restype = None
     _lib = lib
     return lib
 
@@ -118,4 +120,12 @@ def block_linear(lib: ctypes.CDLL, x: torch.Tensor, blocks: tuple[torch.Tensor, 
     else:
         q, d = blocks
         lib.q8_linear_f32(x.data_ptr(), q.data_ptr(), d.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], n)
+    return out
+
+
+def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension of a contiguous float32 (rows, dim) tensor."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    lib.rms_norm_f32(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[-1], eps)
     return out

@@ -5,6 +5,7 @@
  * per 32 weights instead of 128, which is what bounds a decode step with few rows. */
 #include <immintrin.h>
 #include <stdint.h>
+#include <math.h>
 #include <stdlib.h>
 
 static inline float hsum256(__m256 v) {
@@ -101,5 +102,29 @@ void q8_linear_f32(const float *x, const int8_t *qw, const float *d, float *out,
             for (int64_t r = 0; r < rows; r++)
                 out[(i0 + r) * N + n] = hsum256(acc[r]);
         }
+    }
+}
+
+/* RMSNorm of a few rows in one call: for a step with few rows PyTorch's composite op costs ~40 us of
+ * dispatch for 576 numbers. out = x / sqrt(mean(x^2) + eps) * w. */
+void rms_norm_f32(const float *x, const float *w, float *out, int64_t rows, int64_t dim, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * dim;
+        float *o = out + r * dim;
+        __m256 acc = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= dim; i += 8) {
+            __m256 v = _mm256_loadu_ps(xr + i);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        float ss = hsum256(acc);
+        for (; i < dim; i++)
+            ss += xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+        const __m256 s = _mm256_set1_ps(inv);
+        for (i = 0; i + 8 <= dim; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), s), _mm256_loadu_ps(w + i)));
+        for (; i < dim; i++)
+            o[i] = xr[i] * inv * w[i];
     }
 }

@@ -52,7 +52,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
+    SMALL_STEP_ROWS = 16  # below this, one C call instead of PyTorch's ~40 us composite op
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= self.SMALL_STEP_ROWS and x.dtype == torch.float32:
+            lib = kernels.load()
+            if lib is not None:
+                return kernels.rms_norm(lib, x, self.weight, self.eps)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
