@@ -71,7 +71,9 @@ def test_gguf_style_blocks_round_trip_exactly():
     n, nb = 64, 6
     q = torch.randint(0, 16, (n, nb, 32), generator=g).float()
     q[..., 0], q[..., 1] = 0, 15  # the quantizer put the block's min and max at the ends of the range
-    d, m = torch.rand(n, nb, 1, generator=g) * 0.1, torch.randn(n, nb, 1, generator=g) * 0.1
+    # GGUF stores d and m as float16.
+    d = (torch.rand(n, nb, 1, generator=g) * 0.1).half().float()
+    m = (torch.randn(n, nb, 1, generator=g) * 0.1).half().float()
     w = (q * d + m).reshape(n, nb * 32)
     assert (kernels.dequantize_q4(*kernels.quantize_q4(w)) - w).abs().max() < 1e-6
     q8 = torch.randint(-127, 128, (n, nb, 32), generator=g).float()

@@ -74,38 +74,38 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v
 
 def quantize_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(N, K) float weights -> 4-bit blocks of 32 along K: packed nibbles (N, K/2) uint8, scales d and
-    minimums m (N, K/32) float32, with w ~= d * q + m. Weights that came from a GGUF Q4_1 block
-    (which uses both ends of its 0..15 range) come back exactly, up to float rounding."""
+    minimums m (N, K/32) float16, with w ~= d * q + m. Weights that came from a GGUF Q4_1 block
+    (float16 d and m; a block uses both ends of its 0..15 range) come back exactly."""
     n, k = w.shape
     blocks = w.float().reshape(n, k // 32, 32)
-    lo = blocks.amin(dim=-1)
-    d = (blocks.amax(dim=-1) - lo) / 15
+    lo = blocks.amin(dim=-1).half().float()
+    d = ((blocks.amax(dim=-1) - lo) / 15).half().float()
     q = torch.where(d.unsqueeze(-1) > 0, (blocks - lo.unsqueeze(-1)) / d.clamp(min=1e-30).unsqueeze(-1),
                     torch.zeros_like(blocks)).round_().clamp_(0, 15).to(torch.uint8)
     packed = q[..., :16] | (q[..., 16:] << 4)  # byte j: weight j (low nibble), weight j + 16 (high)
-    return packed.reshape(n, k // 2).contiguous(), d.contiguous(), lo.contiguous()
+    return packed.reshape(n, k // 2).contiguous(), d.half().contiguous(), lo.half().contiguous()
 
 
 def dequantize_q4(packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     n, nb = d.shape
     nibbles = packed.reshape(n, nb, 16)
     q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).float()  # (N, nb, 32)
-    return (q * d.unsqueeze(-1) + m.unsqueeze(-1)).reshape(n, nb * 32)
+    return (q * d.float().unsqueeze(-1) + m.float().unsqueeze(-1)).reshape(n, nb * 32)
 
 
 def quantize_q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, K) float weights -> 8-bit blocks of 32 along K: q (N, K) int8 and scales d (N, K/32), with
-    w ~= d * q. Exact for weights from a GGUF Q8_0 tensor."""
+    """(N, K) float weights -> 8-bit blocks of 32 along K: q (N, K) int8 and float16 scales d (N, K/32),
+    with w ~= d * q. Exact for weights from a GGUF Q8_0 tensor."""
     n, k = w.shape
     blocks = w.float().reshape(n, k // 32, 32)
-    d = blocks.abs().amax(dim=-1) / 127
+    d = (blocks.abs().amax(dim=-1) / 127).half().float()
     q = (blocks / d.clamp(min=1e-30).unsqueeze(-1)).round_().clamp_(-127, 127).to(torch.int8)
-    return q.reshape(n, k).contiguous(), d.contiguous()
+    return q.reshape(n, k).contiguous(), d.half().contiguous()
 
 
 def dequantize_q8(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     n, nb = d.shape
-    return (q.reshape(n, nb, 32).float() * d.unsqueeze(-1)).reshape(n, nb * 32)
+    return (q.reshape(n, nb, 32).float() * d.float().unsqueeze(-1)).reshape(n, nb * 32)
 
 
 def block_linear(lib: ctypes.CDLL, x: torch.Tensor, blocks: tuple[torch.Tensor, ...]) -> torch.Tensor:

@@ -1,8 +1,8 @@
 /* y = x W^T for small batches with W stored in blocks of 4-bit or 8-bit integers.
  * 4-bit: each row of W is cut into blocks of 32
  * weights, each block holds w = d * q + m with q in 0..15 (16 bytes of nibbles: byte j has weight j in
- * its low nibble and weight j + 16 in its high nibble), d and m float32. A row then streams 20 bytes
- * per 32 weights instead of 128, which is what bounds a decode step with few rows. */
+ * its low nibble and weight j + 16 in its high nibble), d and m float16 (as in a GGUF Q4_1 block). A
+ * row then streams 20 bytes per 32 weights instead of 128, which bounds a decode step with few rows. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <math.h>
@@ -17,7 +17,7 @@ static inline float hsum256(__m256 v) {
 
 #define ROWS 4 /* rows of x kept in registers per pass over a weight row */
 
-void q4_linear_f32(const float *x, const uint8_t *qw, const float *d, const float *mn, float *out,
+void q4_linear_f32(const float *x, const uint8_t *qw, const uint16_t *d, const uint16_t *mn, float *out,
                    int64_t M, int64_t K, int64_t N) {
     const int64_t nb = K / 32;
     float *xsum = malloc(sizeof(float) * (size_t)(M * nb)); /* sum of x over each block, for the m term */
@@ -33,7 +33,7 @@ void q4_linear_f32(const float *x, const uint8_t *qw, const float *d, const floa
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *row = qw + n * nb * 16;
-        const float *dn = d + n * nb, *mnn = mn + n * nb;
+        const uint16_t *dn = d + n * nb, *mnn = mn + n * nb;
         for (int64_t i0 = 0; i0 < M; i0 += ROWS) {
             const int64_t rows = M - i0 < ROWS ? M - i0 : ROWS;
             __m256 acc[ROWS];
@@ -50,7 +50,8 @@ void q4_linear_f32(const float *x, const uint8_t *qw, const float *d, const floa
                 __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
                 __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
                 __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-                __m256 db = _mm256_set1_ps(dn[b]);
+                __m256 db = _mm256_set1_ps(_cvtsh_ss(dn[b]));
+                const float mb = _cvtsh_ss(mnn[b]);
                 for (int64_t r = 0; r < rows; r++) {
                     const float *xr = x + (i0 + r) * K + b * 32;
                     __m256 s = _mm256_mul_ps(_mm256_loadu_ps(xr), q0);
@@ -58,7 +59,7 @@ void q4_linear_f32(const float *x, const uint8_t *qw, const float *d, const floa
                     s = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), q2, s);
                     s = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), q3, s);
                     acc[r] = _mm256_fmadd_ps(db, s, acc[r]);
-                    macc[r] += mnn[b] * xsum[(i0 + r) * nb + b];
+                    macc[r] += mb * xsum[(i0 + r) * nb + b];
                 }
             }
             for (int64_t r = 0; r < rows; r++)
@@ -68,15 +69,15 @@ void q4_linear_f32(const float *x, const uint8_t *qw, const float *d, const floa
     free(xsum);
 }
 
-/* The same for 8-bit blocks: w = d * q with q in -127..127, 32 bytes per block of 32 weights (the
- * layout of a GGUF Q8_0 tensor, which round-trips exactly). */
-void q8_linear_f32(const float *x, const int8_t *qw, const float *d, float *out, int64_t M, int64_t K,
+/* The same for 8-bit blocks: w = d * q with q in -127..127 and d float16, 34 bytes per block of 32
+ * weights (the layout of a GGUF Q8_0 tensor, which round-trips exactly). */
+void q8_linear_f32(const float *x, const int8_t *qw, const uint16_t *d, float *out, int64_t M, int64_t K,
                    int64_t N) {
     const int64_t nb = K / 32;
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const int8_t *row = qw + n * K;
-        const float *dn = d + n * nb;
+        const uint16_t *dn = d + n * nb;
         for (int64_t i0 = 0; i0 < M; i0 += ROWS) {
             const int64_t rows = M - i0 < ROWS ? M - i0 : ROWS;
             __m256 acc[ROWS];
@@ -89,7 +90,7 @@ void q8_linear_f32(const float *x, const int8_t *qw, const float *d, float *out,
                 __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
                 __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
                 __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
-                __m256 db = _mm256_set1_ps(dn[b]);
+                __m256 db = _mm256_set1_ps(_cvtsh_ss(dn[b]));
                 for (int64_t r = 0; r < rows; r++) {
                     const float *xr = x + (i0 + r) * K + b * 32;
                     __m256 s = _mm256_mul_ps(_mm256_loadu_ps(xr), q0);

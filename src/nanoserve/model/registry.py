@@ -46,7 +46,7 @@ def build_model(path: str, dtype: str, max_positions: int = 0) -> tuple[ModelCon
     return config, model.eval()
 
 
-BLOCKS_VERSION = "1"  # bump when the block layout changes
+BLOCKS_VERSION = "2"  # bump when the block layout changes
 
 
 def attach_cached_weight_blocks(path: str, model: LlamaForCausalLM, exact_only: bool) -> None:
