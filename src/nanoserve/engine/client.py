@@ -88,7 +88,11 @@ class EngineCoreClient:
             return False
         except PermissionError:
             pass
-        return True
+        try:  # a dead process that its parent has not reaped yet still has a pid: a zombie
+            with open(f"/proc/{self.info.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except (OSError, IndexError):
+            return True
 
     async def _pump(self) -> None:
         try:

@@ -53,6 +53,7 @@ def serve(config: EngineConfig, settings: ServerSettings, api_server_count: int 
             ready = wait([core.sentinel] + [p.sentinel for p in servers], timeout=0.5)
             if ready:
                 who = core if core.sentinel in ready else next(p for p in servers if p.sentinel in ready)
+                who.join(5.0)  # reap it: until then its pid still exists (a zombie) for the others
                 logger.error("%s exited with code %s; stopping the server", who.name, who.exitcode)
                 if who is core:  # the API servers notice on their own and fail in-flight requests first
                     for p in servers:
