@@ -303,7 +303,9 @@ def test_sigterm_drains_in_flight_requests(server):
 
     t = threading.Thread(target=request)
     t.start()
-    time.sleep(1.0)
+    deadline = time.monotonic() + 30
+    while server.metric("nanoserve:num_requests_running") < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert server.stop() == 0
     t.join()
     assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == 48
