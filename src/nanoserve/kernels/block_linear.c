@@ -15,6 +15,14 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* The 8 partial sums of 32 activations times one block's 32 weights (as 4 vectors of 8 floats). */
+static inline __m256 dot32(const float *xr, __m256 q0, __m256 q1, __m256 q2, __m256 q3) {
+    __m256 s = _mm256_mul_ps(_mm256_loadu_ps(xr), q0);
+    s = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), q1, s);
+    s = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), q2, s);
+    return _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), q3, s);
+}
+
 #define ROWS 4 /* rows of x kept in registers per pass over a weight row */
 
 void q4_linear_f32(const float *x, const uint8_t *qw, const uint16_t *d, const uint16_t *mn, float *out,
@@ -53,12 +61,7 @@ void q4_linear_f32(const float *x, const uint8_t *qw, const uint16_t *d, const u
                 __m256 db = _mm256_set1_ps(_cvtsh_ss(dn[b]));
                 const float mb = _cvtsh_ss(mnn[b]);
                 for (int64_t r = 0; r < rows; r++) {
-                    const float *xr = x + (i0 + r) * K + b * 32;
-                    __m256 s = _mm256_mul_ps(_mm256_loadu_ps(xr), q0);
-                    s = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), q1, s);
-                    s = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), q2, s);
-                    s = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), q3, s);
-                    acc[r] = _mm256_fmadd_ps(db, s, acc[r]);
+                    acc[r] = _mm256_fmadd_ps(db, dot32(x + (i0 + r) * K + b * 32, q0, q1, q2, q3), acc[r]);
                     macc[r] += mb * xsum[(i0 + r) * nb + b];
                 }
             }
@@ -92,12 +95,7 @@ void q8_linear_f32(const float *x, const int8_t *qw, const uint16_t *d, float *o
                 __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
                 __m256 db = _mm256_set1_ps(_cvtsh_ss(dn[b]));
                 for (int64_t r = 0; r < rows; r++) {
-                    const float *xr = x + (i0 + r) * K + b * 32;
-                    __m256 s = _mm256_mul_ps(_mm256_loadu_ps(xr), q0);
-                    s = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), q1, s);
-                    s = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), q2, s);
-                    s = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), q3, s);
-                    acc[r] = _mm256_fmadd_ps(db, s, acc[r]);
+                    acc[r] = _mm256_fmadd_ps(db, dot32(x + (i0 + r) * K + b * 32, q0, q1, q2, q3), acc[r]);
                 }
             }
             for (int64_t r = 0; r < rows; r++)
