@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from typing import Optional
 
 import torch
 
@@ -65,10 +66,12 @@ class EngineCore:
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.model_config.eos_token_ids
 
-    def add_request(self, request: EngineCoreRequest) -> None:
+    def add_request(self, request: EngineCoreRequest, max_tokens: Optional[int] = None) -> None:
         """Queues a request; raises `PromptTooLongError` when its prompt cannot fit and `ValueError`
-        for parameters this model cannot honour."""
-        max_tokens = self.check_request(request)
+        for parameters this model cannot honour. `max_tokens`: the result of an earlier
+        `check_request` (the engine-core process checks on its IO thread), which skips the check."""
+        if max_tokens is None:
+            max_tokens = self.check_request(request)
         self.scheduler.add_request(Request(request.request_id, request.prompt_token_ids, request.sampling_params,
                                            max_tokens, self.eos_token_ids, request.arrival_time,
                                            request.parent_id))

@@ -16,9 +16,8 @@ import zmq
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.core import EngineCore, PromptTooLongError
+from nanoserve.protocol import AbortRequests, CoreInput, EngineCoreOutputs, Hello, ModelInfo, Rejection
 from nanoserve.sampling_params import field_of_error
-from nanoserve.protocol import (AbortRequests, AddRequest, CoreInput, EngineCoreOutputs, Hello, ModelInfo,
-                                Rejection)
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +26,7 @@ class EngineCoreProc:
     def __init__(self, engine: EngineCore, address: str, max_waiting_requests: int = 0):
         self.engine = engine
         self.max_waiting = max_waiting_requests
-        self.inputs: queue.Queue = queue.Queue()  # decoded inputs for the loop: AddRequest | AbortRequests
+        self.inputs: queue.Queue = queue.Queue()  # for the loop: (checked request, max_tokens) | AbortRequests
         self.outbox: queue.Queue = queue.Queue()  # (client identity, EngineCoreOutputs) for the IO thread
         self.owner: dict[str, bytes] = {}  # request id -> the frontend that sent it
         self.clients: set[bytes] = set()
@@ -102,13 +101,13 @@ class EngineCoreProc:
                 return EngineCoreOutputs(rejected=[Rejection(
                     request.request_id, 503, f"the server is overloaded: {self.max_waiting} requests are "
                     "already waiting; retry later")])
-            self.engine.check_request(request)
+            max_tokens = self.engine.check_request(request)
         except PromptTooLongError as exc:
             return EngineCoreOutputs(rejected=[Rejection(request.request_id, 400, str(exc), "prompt")])
         except ValueError as exc:
             return EngineCoreOutputs(rejected=[Rejection(request.request_id, 400, str(exc), field_of_error(str(exc)))])
         self.owner[request.request_id] = identity
-        self.inputs.put(message)
+        self.inputs.put((request, max_tokens))  # checked: the loop only queues it
         return EngineCoreOutputs(accepted=[request.request_id])
 
     def _post(self, identity: bytes, message: EngineCoreOutputs) -> None:
@@ -158,13 +157,8 @@ class EngineCoreProc:
             changed |= self._apply(item)
 
     def _apply(self, item) -> bool:
-        if isinstance(item, AddRequest):
-            try:
-                self.engine.add_request(item.request)
-            except ValueError as exc:  # checked already; only a race (e.g. pool changes) gets here
-                identity = self.owner.pop(item.request.request_id, None)
-                if identity is not None:
-                    self._post(identity, EngineCoreOutputs(rejected=[Rejection(item.request.request_id, 400, str(exc))]))
+        if isinstance(item, tuple):  # (request, max_tokens), checked on the IO thread
+            self.engine.add_request(*item)
             return True
         for request_id in item.request_ids:
             self.engine.abort(request_id)

@@ -6,16 +6,15 @@ import itertools
 import time
 from typing import Optional, Sequence, Union
 
-import msgspec
 from tqdm import tqdm
 
 from nanoserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from nanoserve.engine.core import EngineCore
 from nanoserve.frontend.output_processor import OutputProcessor
-from nanoserve.frontend.tokenizer import engine_params, load_tokenizer
+from nanoserve.frontend.tokenizer import engine_requests, load_tokenizer
 from nanoserve.model.loader import default_model_path
 from nanoserve.outputs import CompletionOutput, Logprob, RequestOutput
-from nanoserve.protocol import EngineCoreRequest, TokenLogprobs
+from nanoserve.protocol import TokenLogprobs
 from nanoserve.sampling_params import SamplingParams
 
 PromptType = Union[str, list[int], dict]
@@ -68,21 +67,16 @@ class LLM:
             request_id = str(next(self._ids))
             result = RequestOutput(request_id, text, ids)
             results.append(result)
-            core_params = engine_params(self.tokenizer, params)
-            for k in range(params.n):
-                child = core_params if params.n == 1 else msgspec.structs.replace(
-                    core_params, n=1, seed=None if params.seed is None else params.seed + k)
-                child_id = request_id if params.n == 1 else f"{request_id}-{k}"
+            for k, child in enumerate(engine_requests(self.tokenizer, request_id, ids, params)):
                 try:
-                    self.engine.add_request(EngineCoreRequest(child_id, ids, child, time.monotonic(),
-                                                              request_id if params.n > 1 else None))
+                    self.engine.add_request(child)
                 except Exception:
                     for other in pending:  # leave the engine as we found it
                         self.engine.abort(other)
                     raise
-                pending.append(child_id)
+                pending.append(child.request_id)
                 result.outputs.append(CompletionOutput(k, "", []))
-                processor.add_request(child_id, request_id, k, params)
+                processor.add_request(child.request_id, request_id, k, params)
         self._run(processor, {r.request_id: r for r in results}, use_tqdm)
         for result in results:
             for out in result.outputs:

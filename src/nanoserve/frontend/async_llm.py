@@ -4,16 +4,13 @@ that the output pump fills; closing the generator early aborts whatever is unfin
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Callable, Optional
 
-import msgspec
 
 from nanoserve.engine.client import EngineCoreClient, EngineDeadError
 from nanoserve.frontend.output_processor import CompletionDelta, OutputProcessor
 from nanoserve.frontend.reasoning import ReasoningParser
-from nanoserve.frontend.tokenizer import engine_params
-from nanoserve.protocol import EngineCoreRequest
+from nanoserve.frontend.tokenizer import engine_requests
 from nanoserve.sampling_params import SamplingParams
 
 
@@ -60,18 +57,14 @@ class AsyncLLM:
         """Sends the request's `n` completions to the engine core; returns once all are accepted.
         Raises `RequestRejected` or `EngineDeadError` (after withdrawing any that got in).
         `reasoning`: one parser per completion, or None."""
-        core_params = engine_params(self.tokenizer, params)
         stream = RequestStream(self, request_id, params.n)
         self.queues[request_id] = stream.queue
         try:
-            for k in range(params.n):
-                child_id = request_id if params.n == 1 else f"{request_id}-{k}"
-                child = core_params if params.n == 1 else msgspec.structs.replace(
-                    core_params, n=1, seed=None if params.seed is None else params.seed + k)
-                self.processor.add_request(child_id, request_id, k, params, reasoning[k] if reasoning else None)
-                stream.children.append(child_id)
-                await self.client.add_request(EngineCoreRequest(
-                    child_id, prompt_token_ids, child, time.monotonic(), request_id if params.n > 1 else None))
+            for k, child in enumerate(engine_requests(self.tokenizer, request_id, prompt_token_ids, params)):
+                self.processor.add_request(child.request_id, request_id, k, params,
+                                           reasoning[k] if reasoning else None)
+                stream.children.append(child.request_id)
+                await self.client.add_request(child)
         except BaseException:
             stream.abort()
             raise

@@ -5,11 +5,13 @@ token sequences the engine bans."""
 from __future__ import annotations
 
 import os
+import time
 
 import msgspec
 
 from nanoserve.cache import cache_dir, file_key
 from nanoserve.model.loader import ModelLoadError
+from nanoserve.protocol import EngineCoreRequest
 
 
 def load_tokenizer(model_path: str):
@@ -46,9 +48,17 @@ def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
     return sequences
 
 
-def engine_params(tokenizer, params):
-    """The `SamplingParams` the engine core gets: bad words turned into token ids, text removed."""
+def engine_requests(tokenizer, request_id: str, prompt_token_ids: list[int], params) -> list[EngineCoreRequest]:
+    """What the engine core gets for one user request: bad words turned into token ids, text fields
+    removed, and `n > 1` fanned out into n requests `{id}-{k}` sharing the parent id (with a seed,
+    sample k uses seed + k). Used by both the offline `LLM` and the API servers."""
     if params.bad_words:
         params = msgspec.structs.replace(
             params, bad_words_token_ids=params.bad_words_token_ids + bad_words_token_ids(tokenizer, params.bad_words))
-    return params.for_engine()
+    params = params.for_engine()
+    now = time.monotonic()
+    if params.n == 1:
+        return [EngineCoreRequest(request_id, prompt_token_ids, params, now)]
+    return [EngineCoreRequest(f"{request_id}-{k}", prompt_token_ids, msgspec.structs.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + k), now, request_id)
+            for k in range(params.n)]
