@@ -3,9 +3,17 @@ parameters (including disabled and greedy rows), the exponential race's frequenc
 that do not depend on the rest of the batch."""
 import torch
 
+import pytest
+
+from nanoserve import kernels
 from nanoserve.sample.metadata import SamplingMetadata
 from nanoserve.sample.sampler import Sampler, apply_min_p, apply_top_k_top_p
 from nanoserve.sampling_params import SamplingParams
+
+# Both implementations of the chain: the C kernel (the default) and the PyTorch code it replaces when
+# no C compiler is available.
+needs_kernels = pytest.mark.skipif(kernels.load() is None, reason="no C compiler for the kernels")
+PATHS = [pytest.param(True, marks=needs_kernels, id="kernel"), pytest.param(False, id="torch")]
 
 NEG = float("-inf")
 
@@ -41,7 +49,7 @@ MIXED = [SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=1.
 def test_batched_filters_equal_per_row_reference():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(len(MIXED), 1000, generator=g) * 3
-    md = SamplingMetadata.build(MIXED, {}, vocab_size=1000)
+    md = SamplingMetadata.build(MIXED, vocab_size=1000)
     batched = logits / md.temperature.unsqueeze(1)
     batched = apply_top_k_top_p(apply_min_p(batched, md.min_p), md.top_k, md.top_p)
     for i, p in enumerate(MIXED):
@@ -52,55 +60,74 @@ def test_batched_filters_equal_per_row_reference():
     assert (~torch.isinf(batched[0])).sum() == 5 and (~torch.isinf(batched[6])).sum() == 1
 
 
+@needs_kernels
+def test_kernel_chain_equals_per_row_reference():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(len(MIXED), 1000, generator=g) * 3
+    md = SamplingMetadata.build(MIXED, vocab_size=1000)
+    md.need_processed = True
+    tokens, processed = Sampler(use_kernels=True).sample(logits, md)
+    for i, p in enumerate(MIXED):
+        ref = _reference_row(logits[i], p)
+        assert torch.equal(torch.isinf(processed[i]), torch.isinf(ref)), i
+        finite = ~torch.isinf(ref)
+        assert torch.equal(processed[i][finite], ref[finite]), i
+        assert finite[tokens[i]], i
+
+
 def test_fast_paths_leave_stages_off():
-    md = SamplingMetadata.build([SamplingParams(temperature=0.8)] * 3, {}, vocab_size=10)
+    md = SamplingMetadata.build([SamplingParams(temperature=0.8)] * 3, vocab_size=10)
     assert md.top_k is None and md.top_p is None and md.min_p is None and md.greedy_mask is None
-    assert SamplingMetadata.build([SamplingParams(temperature=0)] * 2, {}, 10).all_greedy
+    assert SamplingMetadata.build([SamplingParams(temperature=0)] * 2, 10).all_greedy
 
 
-def test_greedy_rows_take_argmax_and_filters_restrict_samples():
+@pytest.mark.parametrize("use_kernels", PATHS)
+def test_greedy_rows_take_argmax_and_filters_restrict_samples(use_kernels):
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(len(MIXED), 1000, generator=g) * 3
-    md = SamplingMetadata.build(MIXED, {}, vocab_size=1000)
+    md = SamplingMetadata.build(MIXED, vocab_size=1000)
     allowed = [~torch.isinf(_reference_row(logits[i], p)) for i, p in enumerate(MIXED)]
-    sampler = Sampler(torch.Generator().manual_seed(2))
+    sampler = Sampler(torch.Generator().manual_seed(2), use_kernels=use_kernels)
     for _ in range(50):
         out = sampler(logits, md)
         assert out[2] == logits[2].argmax() and out[6] == logits[6].argmax()
         assert all(allowed[i][t] for i, t in enumerate(out.tolist()))
 
 
-def test_exponential_race_matches_probabilities():
+@pytest.mark.parametrize("use_kernels", PATHS)
+def test_exponential_race_matches_probabilities(use_kernels):
     probs = torch.tensor([0.05, 0.3, 0.02, 0.13, 0.25, 0.0, 0.15, 0.1])
     rows = 200_000
     logits = probs.log().expand(rows, -1).contiguous()
-    md = SamplingMetadata.build([SamplingParams(temperature=1.0)] * rows, {}, vocab_size=8)
-    tokens = Sampler(torch.Generator().manual_seed(3))(logits, md)
+    md = SamplingMetadata.build([SamplingParams(temperature=1.0)] * rows, vocab_size=8)
+    tokens = Sampler(torch.Generator().manual_seed(3), use_kernels=use_kernels)(logits, md)
     freq = torch.bincount(tokens, minlength=8).float() / rows
     assert (freq - probs).abs().max() < 0.01
     assert freq[5] == 0  # a zero-probability token is never drawn
 
 
-def test_seeded_row_is_independent_of_the_batch():
+@pytest.mark.parametrize("use_kernels", PATHS)
+def test_seeded_row_is_independent_of_the_batch(use_kernels):
     g = torch.Generator().manual_seed(4)
     row = torch.randn(1, 500, generator=g)
     seeded = SamplingParams(temperature=1.0, seed=7, top_p=0.95)
 
-    def draw(batch_logits, position, steps=20):
+    def draw(batch_logits, position, engine_seed, steps=20, kernel=use_kernels):
         params = [SamplingParams(temperature=0.9)] * batch_logits.shape[0]
         params[position] = seeded
-        gen = torch.Generator().manual_seed(7)
-        sampler = Sampler(torch.Generator().manual_seed(99))
+        sampler = Sampler(torch.Generator().manual_seed(engine_seed), use_kernels=kernel)
         out = []
-        for _ in range(steps):
-            md = SamplingMetadata.build(params, {position: gen}, vocab_size=500)
+        for step in range(steps):  # the row's output position advances one token per step
+            md = SamplingMetadata.build(params, vocab_size=500, num_output_tokens=[step] * len(params))
             out.append(sampler(batch_logits, md)[position].item())
         return out
 
-    alone = draw(row, 0)
+    alone = draw(row, 0, 99)
     others = torch.randn(6, 500, generator=g)
-    mixed = draw(torch.cat([others[:3], row, others[3:]]), 3)
-    assert alone == mixed
+    assert alone == draw(torch.cat([others[:3], row, others[3:]]), 3, 5)
+    assert len(set(alone)) > 3  # not one token repeated: the position moves the noise
+    if use_kernels:  # the C kernel and the PyTorch code draw the same numbers
+        assert alone == draw(row, 0, 99, kernel=False)
 
 
 def test_penalties_equal_per_row_reference_and_counts_are_incremental():
@@ -132,22 +159,30 @@ def test_penalties_equal_per_row_reference_and_counts_are_incremental():
             c = outputs[i].count(t)
             x -= freq[i].item() * c + pres[i].item() * (c > 0)
             assert abs(out[i, t].item() - x) < 1e-5
+    if kernels.load() is not None:  # the kernel applies the same penalties to greedy rows' logits
+        params = [SamplingParams(temperature=0, repetition_penalty=r.item(), frequency_penalty=f.item(),
+                                 presence_penalty=q.item()) for r, f, q in zip(rep, freq, pres)]
+        md = SamplingMetadata.build(params, vocab, penalty_state_rows=dict(enumerate(rows)))
+        md.need_processed = True
+        tokens, processed = Sampler(use_kernels=True).sample(logits, md, state)
+        assert torch.allclose(processed, out, atol=1e-5) and torch.equal(tokens, out.argmax(dim=-1))
     state.remove("0")
     assert state.row("new", [1], []) == rows[0]  # rows are reused
 
 
-def test_processors_bias_allowed_and_min_tokens():
+@pytest.mark.parametrize("use_kernels", PATHS)
+def test_processors_bias_allowed_and_min_tokens(use_kernels):
     logits = torch.zeros(3, 10)
     params = [SamplingParams(temperature=0, logit_bias={7: 100.0}),
               SamplingParams(temperature=0, allowed_token_ids=[2, 3]),
               SamplingParams(temperature=0, min_tokens=5, stop_token_ids=[4])]
     logits[1, 9] = 5.0
     logits[2, 0] = logits[2, 4] = 10.0  # token 0 is EOS here
-    md = SamplingMetadata.build(params, {}, 10, num_output_tokens=[0, 0, 2], eos_token_ids=(0,))
-    out = Sampler()(logits, md)
+    md = SamplingMetadata.build(params, 10, num_output_tokens=[0, 0, 2], eos_token_ids=(0,))
+    out = Sampler(use_kernels=use_kernels)(logits, md)
     assert out[0] == 7 and out[1] in (2, 3) and out[2] not in (0, 4)
-    md = SamplingMetadata.build(params, {}, 10, num_output_tokens=[0, 0, 5], eos_token_ids=(0,))
-    assert Sampler()(logits, md)[2] in (0, 4)  # min_tokens reached: EOS allowed again
+    md = SamplingMetadata.build(params, 10, num_output_tokens=[0, 0, 5], eos_token_ids=(0,))
+    assert Sampler(use_kernels=use_kernels)(logits, md)[2] in (0, 4)  # min_tokens reached: EOS allowed again
 
 
 def test_new_fields_validated():
@@ -163,8 +198,8 @@ def test_new_fields_validated():
 def test_bench_sampler_runs_both_paths():
     from nanoserve.bench.sampler import bench_chain
 
-    batched, looped = bench_chain(torch.randn(6, 300) * 3, batch=6, repeats=2)
-    assert batched > 0 and looped > 0
+    times = bench_chain(torch.randn(6, 300) * 3, batch=6, repeats=2)
+    assert len(times) == 3 and min(times) > 0
 
 
 def test_top_k_top_p_fall_back_to_a_full_sort_when_candidates_are_not_enough():
@@ -175,10 +210,14 @@ def test_top_k_top_p_fall_back_to_a_full_sort_when_candidates_are_not_enough():
     flat[2] = torch.randn(vocab, generator=g) * 0.01
     params = [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.0, top_k=3),
               SamplingParams(temperature=1.0, top_p=0.5)]
-    md = SamplingMetadata.build(params, {}, vocab_size=vocab)
+    md = SamplingMetadata.build(params, vocab_size=vocab)
     out = apply_top_k_top_p(flat, md.top_k, md.top_p)
     for i, p in enumerate(params):
         ref = _reference_row(flat[i], p)
         assert torch.equal(torch.isinf(out[i]), torch.isinf(ref)), i
     assert (~torch.isinf(out[1])).sum() == vocab  # a tie at the k-th value keeps every tied token
     assert 4000 < (~torch.isinf(out[0])).sum() < 5000
+    if kernels.load() is not None:  # the kernel widens its candidate cut the same way
+        md.need_processed = True
+        processed = Sampler(use_kernels=True).sample(flat, md)[1]
+        assert torch.equal(torch.isinf(processed), torch.isinf(out))

@@ -136,7 +136,7 @@ def test_top_p_sampling_matches_the_real_distribution(smollm_llm, smollm_tokeniz
     support, expected_p = order[keep], sorted_p[keep] / sorted_p[keep].sum()
     rows, rounds = 500, 40
     params = [SamplingParams(temperature=0.8, top_p=0.9)] * rows
-    md = SamplingMetadata.build(params, {}, logits.numel())
+    md = SamplingMetadata.build(params, logits.numel())
     sampler = Sampler(torch.Generator().manual_seed(1234))
     batch = captured[0][0].expand(rows, -1).contiguous()
     counts = torch.zeros(logits.numel())

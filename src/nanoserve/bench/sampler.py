@@ -1,5 +1,5 @@
-"""`nanoserve bench sampler`: the batched sampling chain against a per-request loop doing the same
-work (one `Sampler` call per row), in one run, for several batch sizes over SmolLM2's real next-token
+"""`nanoserve bench sampler`: the batched sampling chain against per-request loops doing the same work
+(one call per row, with the same C kernel and with the PyTorch chain), in one run, for several batch sizes over SmolLM2's real next-token
 logits (64 text prompts) with mixed parameters; then the share of an engine step spent sampling with
 64 running requests."""
 from __future__ import annotations
@@ -73,26 +73,28 @@ def bench_chain(all_logits: torch.Tensor, batch: int, repeats: int) -> tuple[flo
     state = PenaltyState(vocab)
     penalty_rows = {i: state.row(str(i), torch.randint(0, vocab, (64,), generator=g).tolist(), [])
                     for i, p in enumerate(params) if p.has_penalties}
-    gens = {i: torch.Generator().manual_seed(i) for i, p in enumerate(params) if p.seed is not None}
     outputs = [[3, 4]] * batch
     # Like the engine: a request's allowed-token mask is built once and kept.
     masks = {i: allowed_token_mask(p, vocab) for i, p in enumerate(params) if p.allowed_token_ids}
     sampler = Sampler(torch.Generator().manual_seed(0))
+    torch_sampler = Sampler(torch.Generator().manual_seed(0), use_kernels=False)
 
     def batched():
-        md = SamplingMetadata.build(params, gens, vocab, eos_token_ids=(0,), penalty_state_rows=penalty_rows,
+        md = SamplingMetadata.build(params, vocab, eos_token_ids=(0,), penalty_state_rows=penalty_rows,
                                     output_token_ids=outputs, allowed_masks=masks)
         sampler.sample(logits, md, state)
 
-    def per_request():
+    def per_request(one_row_sampler):
         for i, p in enumerate(params):
-            md = SamplingMetadata.build([p], {0: gens[i]} if i in gens else {}, vocab, eos_token_ids=(0,),
+            md = SamplingMetadata.build([p], vocab, eos_token_ids=(0,),
                                         penalty_state_rows={0: penalty_rows[i]} if i in penalty_rows else {},
                                         output_token_ids=[outputs[i]],
                                         allowed_masks={0: masks[i]} if i in masks else {})
-            sampler.sample(logits[i:i + 1], md, state)
+            one_row_sampler.sample(logits[i:i + 1], md, state)
 
-    return _timed(batched, repeats), _timed(per_request, max(1, repeats // 4))
+    loops = max(1, repeats // 4)
+    return (_timed(batched, repeats), _timed(lambda: per_request(sampler), loops),
+            _timed(lambda: per_request(torch_sampler), loops))
 
 
 def engine_sampling_share(engine, num_requests: int, steps: int) -> float:
@@ -131,10 +133,12 @@ def main(argv=None) -> None:
     engine = EngineCore(EngineConfig(model=default_model_path(), dtype="float32"))
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     logits = model_logits(engine, load_tokenizer(default_model_path()), max(sizes))
-    print("| rows | batched chain (ms/step) | per-request loop (ms/step) | speed-up |\n|---|---|---|---|")
+    print("| rows | batched chain (ms/step) | loop, same kernel per row (ms) | speed-up "
+          "| loop, PyTorch chain per row (ms) | speed-up |\n|---|---|---|---|---|---|")
     for b in sizes:
-        batched, looped = bench_chain(logits, b, args.repeats)
-        print(f"| {b} | {batched * 1e3:.2f} | {looped * 1e3:.2f} | {looped / batched:.1f}x |", flush=True)
+        batched, looped, torch_loop = bench_chain(logits, b, args.repeats)
+        print(f"| {b} | {batched * 1e3:.2f} | {looped * 1e3:.2f} | {looped / batched:.1f}x "
+              f"| {torch_loop * 1e3:.2f} | {torch_loop / batched:.1f}x |", flush=True)
     if args.engine_requests:
         share = engine_sampling_share(engine, args.engine_requests, args.engine_steps)
         print(f"\nsampling share of an engine step with {args.engine_requests} running requests "

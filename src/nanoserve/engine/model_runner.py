@@ -48,14 +48,12 @@ class ModelRunner:
         cfg = self.config
         self.kv_caches = [KVCache(cfg.num_kv_heads, num_blocks * block_size, cfg.head_dim, KV_DTYPE)
                           for _ in range(cfg.num_layers)]
-        self.sampler = Sampler(torch.Generator().manual_seed(seed))
+        self.sampler = Sampler(torch.Generator().manual_seed(seed), use_kernels=use_kernels)
         self.decode_kernel = kernels.load() if use_kernels else None
-        self.generators: dict[str, torch.Generator] = {}  # request id -> its seeded generator
         self.penalties = PenaltyState(cfg.vocab_size)
         self.allowed_masks: dict[str, torch.Tensor] = {}  # request id -> (V,) mask, built once
 
     def remove_request(self, request_id: str) -> None:
-        self.generators.pop(request_id, None)
         self.allowed_masks.pop(request_id, None)
         self.penalties.remove(request_id)
 
@@ -64,14 +62,6 @@ class ModelRunner:
         if mask is None:
             mask = self.allowed_masks[req.request_id] = allowed_token_mask(req.params, self.config.vocab_size)
         return mask
-
-    def _generator(self, req: Request) -> torch.Generator | None:
-        if req.params.seed is None:
-            return None
-        gen = self.generators.get(req.request_id)
-        if gen is None:
-            gen = self.generators[req.request_id] = torch.Generator().manual_seed(req.params.seed)
-        return gen
 
     def _slots(self, req: Request, start: int, end: int) -> list[int]:
         bs, table = self.block_size, req.block_ids
@@ -159,12 +149,11 @@ class ModelRunner:
         if not sample_reqs:  # prefill chunks only: nothing to sample yet
             return sampled, {}
         reqs = [sched.requests[i] for i in sample_reqs]
-        generators = {row: g for row, r in enumerate(reqs) if (g := self._generator(r)) is not None}
         penalty_rows = {row: self.penalties.row(r.request_id, r.prompt_token_ids, r.output_token_ids)
                         for row, r in enumerate(reqs) if r.params.has_penalties}
         allowed = {row: self._allowed_mask(r) for row, r in enumerate(reqs) if r.params.allowed_token_ids}
         want = [row for row, r in enumerate(reqs) if r.params.logprobs is not None]
-        md = SamplingMetadata.build([r.params for r in reqs], generators, self.config.vocab_size,
+        md = SamplingMetadata.build([r.params for r in reqs], self.config.vocab_size,
                                     eos_token_ids=self.config.eos_token_ids, penalty_state_rows=penalty_rows,
                                     output_token_ids=[r.output_token_ids for r in reqs], allowed_masks=allowed)
         md.need_processed = bool(want) and self.logprobs_mode == "processed"

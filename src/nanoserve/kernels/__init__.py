@@ -1,5 +1,5 @@
 """Small C kernels for the CPU hot spots PyTorch has no fused op for (paged decode attention, matrix
-products on 4-bit weight blocks), compiled with the system C compiler on first use into a per-user
+products on 4-bit weight blocks, the sampler's whole chain), compiled with the system C compiler on first use into a per-user
 cache and loaded with ctypes. When no compiler is available, callers fall back to PyTorch."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 from nanoserve.cache import cache_dir
 
 logger = logging.getLogger(__name__)
-_SOURCES = [os.path.join(os.path.dirname(__file__), name) for name in ("decode_attention.c", "block_linear.c")]
+_SOURCES = [os.path.join(os.path.dirname(__file__), name) for name in ("decode_attention.c", "block_linear.c", "sampling.c")]
 _lib: Optional[ctypes.CDLL] = None
 _tried = False
 
@@ -56,6 +56,8 @@ def load() -> Optional[ctypes.CDLL]:
     lib.q8_linear_f32.restype = None
     lib.rms_norm_f32.argtypes = [f32p] * 3 + [i64] * 2 + [ctypes.c_float]
     lib.rms_norm_f32.restype = None
+    lib.sample_rows.argtypes = [f32p, f32p, i64, i64] + [f32p] * 19
+    lib.sample_rows.restype = None
     _lib = lib
     return lib
 

@@ -20,8 +20,9 @@ class SamplingMetadata:
     top_k: Optional[torch.Tensor] = None  # (B,) int64, vocab size where disabled; None if no row uses it
     top_p: Optional[torch.Tensor] = None  # (B,) float32, 1.0 where disabled
     min_p: Optional[torch.Tensor] = None  # (B,) float32, 0.0 where disabled
-    # Row index -> that request's own generator; rows without one use the engine's generator.
-    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    # Each row's seed (None: unseeded) and output position: a seeded row's noise is a function of both.
+    seeds: list = field(default_factory=list)
+    positions: list = field(default_factory=list)
     # Rows drawn at random (not greedy), and among those the ones that top-k or top-p truncate.
     sample_rows: Optional[torch.Tensor] = None
     truncated: Optional[torch.Tensor] = None  # positions within sample_rows
@@ -43,7 +44,7 @@ class SamplingMetadata:
     presence: Optional[torch.Tensor] = None
 
     @classmethod
-    def build(cls, params: list[SamplingParams], generators: dict[int, torch.Generator], vocab_size: int,
+    def build(cls, params: list[SamplingParams], vocab_size: int,
               num_output_tokens: Optional[list[int]] = None, eos_token_ids: tuple[int, ...] = (),
               penalty_state_rows: Optional[dict[int, int]] = None,
               output_token_ids: Optional[list[list[int]]] = None,
@@ -55,6 +56,8 @@ class SamplingMetadata:
         md = cls(None, None, all(greedy), vocab_size)
         if output_token_ids is not None:
             num_output_tokens = [len(ids) for ids in output_token_ids]
+        md.seeds = [p.seed for p in params]
+        md.positions = num_output_tokens or [0] * len(params)
         md._build_processors(params, vocab_size, num_output_tokens or [0] * len(params), eos_token_ids,
                              penalty_state_rows or {}, output_token_ids, allowed_masks or {})
         if md.all_greedy:
@@ -74,7 +77,6 @@ class SamplingMetadata:
         truncated = [j for j, p in enumerate(sampled) if 0 < p.top_k < vocab_size or p.top_p < 1.0]
         if truncated:
             md.truncated = torch.tensor(truncated)
-        md.generators = generators
         return md
 
     def _build_processors(self, params, vocab_size, num_output_tokens, eos_token_ids, penalty_rows,

@@ -3,14 +3,16 @@ order: allowed tokens -> min_tokens (EOS and stop tokens banned) and logit_bias 
 frequency and presence penalties -> greedy rows take the argmax; the others are scaled by their own
 temperature, filtered by min_p, then by top-k and top-p (one sort for the whole batch, each row its
 own thresholds), and drawn by the exponential race `argmax(p / q)`, `q ~ Exp(1)`, which picks token i
-with probability p_i and lets seeded rows draw their noise from their own generator. Stages no row
-uses are skipped."""
+with probability p_i. The noise is a counter-based hash of the row's key and the token id; a seeded
+row's key comes from (seed, output position), so its draws never depend on the batch. The chain runs
+in one C call (kernels/sampling.c) when the kernels are built, else as the PyTorch code below."""
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
 
+from nanoserve import kernels
 from nanoserve.sample.metadata import SamplingMetadata
 from nanoserve.sample.penalties import PenaltyState, apply_penalties
 
@@ -109,9 +111,62 @@ def apply_processors(logits: torch.Tensor, md: SamplingMetadata,
     return logits
 
 
+MASK32 = 0xFFFFFFFF
+MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def noise_keys(seeds: list[Optional[int]], positions: list[int], generator: torch.Generator) -> torch.Tensor:
+    """(B, 2) int64 keys (two 32-bit halves) of each row's noise for this step: from (seed, output
+    position) for a seeded row, so it draws the same numbers alone, in any batch, at any row and after
+    a preemption; from the engine's generator otherwise."""
+    keys = torch.randint(0, 1 << 32, (len(seeds), 2), generator=generator, dtype=torch.int64)
+    for row, (seed, position) in enumerate(zip(seeds, positions)):
+        if seed is not None:
+            key = _splitmix64((seed & MASK64) ^ _splitmix64(position))
+            keys[row, 0], keys[row, 1] = key & MASK32, key >> 32
+    return keys
+
+
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & MASK32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & MASK32
+    return h ^ (h >> 16)
+
+
+def noise_uniform(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """U(0, 1) with 23 random bits (never 0 or 1) for each (row key, token id): the numbers the C
+    kernel draws. keys (R, 2) int64, token_ids (R, W) int64 -> (R, W) float32."""
+    h = _mix32(((token_ids * 0x9E3779B9) + keys[:, :1]) & MASK32)
+    h = _mix32(h ^ keys[:, 1:])
+    return ((h >> 9).to(torch.float32) + 0.5) / 8388608.0
+
+
+def race(x: torch.Tensor, keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """The exponential race in log space: argmax(x - log q), q = -log(U), for logits x (R, W) whose
+    columns are the tokens `token_ids`; returns column indices (R,)."""
+    q = noise_uniform(keys, token_ids).log_().neg_()
+    return (x - q.log_()).argmax(dim=-1)
+
+
+def _offsets(rows: torch.Tensor, batch: int) -> torch.Tensor:
+    out = torch.zeros(batch + 1, dtype=torch.int64)
+    out[1:] = torch.bincount(rows, minlength=batch).cumsum(0)
+    return out
+
+
 class Sampler:
-    def __init__(self, generator: Optional[torch.Generator] = None):
+    def __init__(self, generator: Optional[torch.Generator] = None, use_kernels: bool = True):
         self.generator = generator or torch.Generator().manual_seed(0)
+        self.lib = kernels.load() if use_kernels else None
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata,
                  penalties: Optional[PenaltyState] = None) -> torch.Tensor:
@@ -122,10 +177,55 @@ class Sampler:
                ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Returns the sampled ids and, when `md.need_processed`, the processed logits they were drawn
         from (greedy rows: after the processors, without temperature or truncation)."""
+        if md.all_greedy and not md.has_processors:
+            return logits.argmax(dim=-1), logits
+        keys = None if md.all_greedy else noise_keys(md.seeds, md.positions, self.generator)
+        if self.lib is not None:
+            return self._sample_kernel(logits.contiguous(), md, penalties, keys)
         if md.has_processors:
             logits = apply_processors(logits, md, penalties)
         if md.all_greedy:
             return logits.argmax(dim=-1), logits
+        return self._sample_torch(logits, md, keys)
+
+    def _sample_kernel(self, logits, md, penalties, keys):
+        batch, vocab = logits.shape
+        work = torch.empty_like(logits)
+        tokens = torch.empty(batch, dtype=torch.int64)
+        none = torch.full((batch,), -1, dtype=torch.int64)
+        temperature = torch.zeros(batch) if md.all_greedy else md.temperature.clone()
+        if md.greedy_mask is not None:
+            temperature[md.greedy_mask] = 0.0
+        top_k = md.top_k if md.top_k is not None else torch.full((batch,), vocab)
+        top_p = md.top_p if md.top_p is not None else torch.ones(batch)
+        min_p = md.min_p if md.min_p is not None else torch.zeros(batch)
+        allowed, allowed_row = torch.zeros(1, dtype=torch.bool), none
+        if md.allowed_rows is not None:
+            allowed, allowed_row = md.allowed_mask.contiguous(), none.clone()
+            allowed_row[md.allowed_rows] = torch.arange(len(md.allowed_rows))
+        empty_i, empty_f = torch.zeros(1, dtype=torch.int64), torch.zeros(1)
+        ban_tokens, ban_offsets = empty_i, torch.zeros(batch + 1, dtype=torch.int64)
+        if md.banned is not None:
+            ban_tokens, ban_offsets = md.banned[1], _offsets(md.banned[0], batch)
+        bias_tokens, bias_values, bias_offsets = empty_i, empty_f, torch.zeros(batch + 1, dtype=torch.int64)
+        if md.bias is not None:
+            bias_tokens, bias_values, bias_offsets = md.bias[1], md.bias[2], _offsets(md.bias[0], batch)
+        prompt_mask, counts, penalty_row = torch.zeros(1, dtype=torch.bool), torch.zeros(1, dtype=torch.int32), none
+        rep, freq, pres = torch.ones(batch), torch.zeros(batch), torch.zeros(batch)
+        if md.penalty_rows is not None:
+            prompt_mask, counts = penalties.prompt_mask, penalties.output_counts
+            penalty_row = none.clone()
+            penalty_row[md.penalty_rows] = md.penalty_state_rows
+            rep[md.penalty_rows], freq[md.penalty_rows], pres[md.penalty_rows] = md.repetition, md.frequency, md.presence
+        keys = keys if keys is not None else torch.zeros(batch, 2, dtype=torch.int64)
+        args = [logits, work, batch, vocab, temperature, min_p, top_k.to(torch.int64), top_p, keys, allowed,
+                allowed_row, ban_offsets, ban_tokens, bias_offsets, bias_tokens, bias_values, prompt_mask, counts,
+                penalty_row, rep, freq, pres, tokens]
+        args = [a if isinstance(a, int) else a.contiguous() for a in args]  # kept alive through the call
+        self.lib.sample_rows(*[a if isinstance(a, int) else a.data_ptr() for a in args])
+        return tokens, work
+
+    def _sample_torch(self, logits, md, keys):
         batch, vocab = logits.shape
         rows = md.sample_rows if md.sample_rows is not None else torch.arange(batch)
         tokens = torch.empty(batch, dtype=torch.long)
@@ -147,9 +247,8 @@ class Sampler:
             values, order, full = top_k_top_p_candidates(x[t], k, p)
             ok = (~full).nonzero().squeeze(1)
             if ok.numel():
-                probs = torch.softmax(values[ok], dim=-1)
-                noise = self.exponential_noise(rows[t[ok]], probs.shape[1], md, order[ok])
-                tokens[rows[t[ok]]] = order[ok].gather(1, (probs / noise).argmax(dim=-1, keepdim=True)).squeeze(1)
+                won = race(values[ok], keys[rows[t[ok]]], order[ok])
+                tokens[rows[t[ok]]] = order[ok].gather(1, won.unsqueeze(1)).squeeze(1)
                 if processed is not None:
                     processed[rows[t[ok]]] = scatter_candidates(values[ok], order[ok], vocab)
             whole[t[ok]] = False
@@ -158,26 +257,8 @@ class Sampler:
                 x[redo] = truncate_full(x[redo], k[full], p[full])
         whole = whole.nonzero().squeeze(1)
         if whole.numel():
-            probs = torch.softmax(x[whole], dim=-1)
-            noise = self.exponential_noise(rows[whole], vocab, md)
-            tokens[rows[whole]] = (probs / noise).argmax(dim=-1)
+            ids = torch.arange(vocab).expand(len(whole), vocab)
+            tokens[rows[whole]] = race(x[whole], keys[rows[whole]], ids)
             if processed is not None:
                 processed[rows[whole]] = x[whole]
         return tokens, processed
-
-    def exponential_noise(self, rows: torch.Tensor, width: int, md: SamplingMetadata,
-                          token_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Exp(1) noise as -log(U), U ~ Uniform[0, 1): the same distribution as `exponential_`, about
-        four times faster on the CPU, and never 0 (U < 1), so `p / q` is never 0 / 0. One row per batch
-        row in `rows`; `token_ids` (same shape as the result) says which token each column is when the
-        race runs over candidates. A seeded row always draws one number per vocabulary token from its
-        own generator and reads them by token id, so its draws do not depend on the batch around it."""
-        q = torch.rand(len(rows), width, generator=self.generator)
-        position = {row: j for j, row in enumerate(rows.tolist())} if md.generators else {}
-        for row, gen in md.generators.items():
-            j = position.get(row)
-            if j is None:
-                continue
-            own = torch.rand(md.vocab_size if token_ids is not None else width, generator=gen)
-            q[j] = own if token_ids is None else own[token_ids[j]]
-        return q.log_().neg_()
