@@ -40,6 +40,10 @@ def build_model(path: str, dtype: str, max_positions: int = 0) -> tuple[ModelCon
             module.weight.data = module.weight.data.to(weight_dtype)
     if dtype in ("auto", "q4") and kernels.load() is not None:
         attach_cached_weight_blocks(path, model, exact_only=dtype == "auto")
+    if weight_dtype == torch.float32 and dtype != "q4":
+        for module in model.modules():
+            if isinstance(module, Linear):
+                module.attach_onednn_weight()
     # cos/sin tables stay float32, sized for the context we will actually serve.
     model.rope = RotaryEmbedding(config.head_dim, max_positions or config.max_position_embeddings,
                                  config.rope_theta, config.rope_scaling)
