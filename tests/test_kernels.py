@@ -51,16 +51,17 @@ def test_model_output_same_with_and_without_kernel(tiny_models):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 33, 64])
 def test_block_linear_matches_dequantized_reference(rows):
     g = torch.Generator().manual_seed(rows)
-    w = torch.randn(200, 96, generator=g)
+    w = torch.randn(200, 96, generator=g)  # 200 weight rows: groups of 24 and tiles of 6 with tails
     x = torch.randn(rows, 96, generator=g)
     for blocks, dequant in [(kernels.quantize_q4(w), kernels.dequantize_q4),
                             (kernels.quantize_q8(w), kernels.dequantize_q8)]:
         ref = x @ dequant(*blocks).T
-        out = kernels.block_linear(lib, x, blocks)
-        assert torch.allclose(out, ref, atol=1e-4, rtol=1e-5)
+        for kernel in (kernels.block_linear, kernels.block_gemm):  # the small-step and the GEMM kernel
+            out = kernel(lib, x, blocks)
+            assert torch.allclose(out, ref, atol=1e-4, rtol=1e-5), kernel.__name__
         assert (dequant(*blocks) - w).abs().max() < w.abs().max() / (14 if len(blocks) == 3 else 250)
 
 

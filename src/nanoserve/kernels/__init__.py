@@ -56,6 +56,8 @@ def load() -> Optional[ctypes.CDLL]:
     lib.q8_linear_f32.restype = None
     lib.rms_norm_f32.argtypes = [f32p] * 3 + [i64] * 2 + [ctypes.c_float]
     lib.rms_norm_f32.restype = None
+    lib.block_gemm_f32.argtypes = [f32p] * 5 + [i64] * 3
+    lib.block_gemm_f32.restype = None
     lib.sample_rows.argtypes = [f32p, f32p, i64, i64] + [f32p] * 19
     lib.sample_rows.restype = None
     _lib = lib
@@ -122,6 +124,18 @@ def block_linear(lib: ctypes.CDLL, x: torch.Tensor, blocks: tuple[torch.Tensor, 
     else:
         q, d = blocks
         lib.q8_linear_f32(x.data_ptr(), q.data_ptr(), d.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], n)
+    return out
+
+
+def block_gemm(lib: ctypes.CDLL, x: torch.Tensor, blocks: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """`block_linear` for steps with more rows: dequantizes groups of weight rows once per call and
+    multiplies every row of x against them (see block_gemm_f32 in block_linear.c)."""
+    x = x.contiguous()
+    n = blocks[0].shape[0]
+    out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    mins = blocks[2].data_ptr() if len(blocks) == 3 else None
+    lib.block_gemm_f32(x.data_ptr(), blocks[0].data_ptr(), blocks[1].data_ptr(), mins, out.data_ptr(),
+                       x.shape[0], x.shape[1], n)
     return out
 
 

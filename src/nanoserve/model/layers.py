@@ -19,15 +19,16 @@ class Linear(nn.Module):
     also carry a copy in 4-bit or 8-bit blocks (`blocks`, see `kernels.quantize_q4` / `quantize_q8`)
     and a oneDNN copy of a float32 weight (`onednn_weight`).
 
-    A decode step with few rows is bound by the bytes of weight streamed from memory: bfloat16 halves
-    them, 8-bit blocks cut them by 3.5x and 4-bit blocks by 6x (the C kernel wins up to about 16
-    rows). Steps with more rows use a float32 GEMM: oneDNN's on its own copy of the weight when there is
-    one (measured in a 32-request decode: 1.4x PyTorch's default MKL call over all layers, 2x on the
-    vocabulary matrix), else PyTorch's. On CPUs without native bfloat16 arithmetic (AVX2) the
-    bfloat16 GEMM is several times slower than float32."""
+    With blocks, a step of up to 8 rows streams them through a kernel bound by memory (4-bit blocks are
+    6x fewer bytes than float32), and a step of up to 64 rows through a small GEMM that dequantizes
+    groups of weight rows into cache once (measured in a 32-request decode: 1.4x oneDNN's float32
+    GEMM over all layers). Larger steps (prefill) use oneDNN's float32 GEMM on its own copy of the
+    weight (1.4x PyTorch's default MKL call, 2x on the vocabulary matrix), else PyTorch's. On CPUs
+    without native bfloat16 arithmetic (AVX2) the bfloat16 GEMM is several times slower than float32."""
 
     SMALL_STEP_ROWS = 4
-    BLOCKS_MAX_ROWS = 16
+    BLOCKS_MAX_ROWS = 8  # block_linear up to here
+    BLOCK_GEMM_MAX_ROWS = 64  # block_gemm up to here
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -44,8 +45,9 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if self.blocks is not None and rows <= self.BLOCKS_MAX_ROWS:
-            y = kernels.block_linear(kernels.load(), x, self.blocks)
+        if self.blocks is not None and rows <= self.BLOCK_GEMM_MAX_ROWS:
+            small = rows <= self.BLOCKS_MAX_ROWS
+            y = (kernels.block_linear if small else kernels.block_gemm)(kernels.load(), x, self.blocks)
             return y if self.bias is None else y + self.bias
         if self.onednn_weight is not None and x.dim() == 2 and x.dtype == torch.float32:
             bias = None if self.bias is None else self.bias.detach()
