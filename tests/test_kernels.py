@@ -1,5 +1,5 @@
-"""The compiled C kernels (paged decode attention, 4-bit and 8-bit block matrix products) against plain
-PyTorch references, and the model's output with and without them."""
+"""The compiled C kernels (paged decode attention, 4-bit and 8-bit block matrix products, fused layer
+steps) against plain PyTorch references, and the model's output with and without them."""
 import shutil
 import sysconfig
 
@@ -97,3 +97,36 @@ def test_rms_norm_kernel_matches_pytorch(rows, dim):
     x, w = torch.randn(rows, dim, generator=g) * 3, torch.randn(dim, generator=g)
     ref = torch.nn.functional.rms_norm(x, (dim,), w, 1e-6)
     assert torch.allclose(kernels.rms_norm(lib, x, w, 1e-6), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 40])
+def test_silu_mul_kernel_matches_pytorch(rows):
+    g = torch.Generator().manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * 1536, generator=g) * 6  # wide range: exp over- and underflow
+    gate, up = gate_up.split(1536, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    assert torch.allclose(kernels.silu_mul(lib, gate_up), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_rope_write_kv_kernel_matches_pytorch():
+    from nanoserve.model.layers import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, tokens, num_slots = 9, 3, 64, 7, 50
+    rope = RotaryEmbedding(dim, 128, 10000.0, None)
+    positions = torch.tensor([0, 5, 17, 3, 90, 91, 127])
+    cos, sin = rope.lookup(positions)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g)
+    slots = torch.tensor([4, 9, 0, 49, 20, 21, 33])
+    qk, v = qkv[:, :(heads + kv_heads) * dim], qkv[:, (heads + kv_heads) * dim:]
+    ref = RotaryEmbedding.apply(qk.reshape(tokens, heads + kv_heads, dim), cos, sin)
+    k_cache, v_cache = torch.zeros(kv_heads, num_slots, dim), torch.zeros(kv_heads, num_slots, dim)
+    v_ref = v.reshape(tokens, kv_heads, dim).clone()
+    kernels.rope_write_kv(lib, qkv, heads, kv_heads, dim, cos, sin, k_cache, v_cache, slots)
+    rotated = qkv[:, :(heads + kv_heads) * dim].reshape(tokens, heads + kv_heads, dim)
+    assert torch.allclose(rotated, ref, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(k_cache[:, slots].transpose(0, 1), ref[:, heads:], atol=1e-5, rtol=1e-5)
+    assert torch.equal(v_cache[:, slots].transpose(0, 1), v_ref)
+    untouched = torch.ones(num_slots, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_cache[:, untouched].any() and not v_cache[:, untouched].any()

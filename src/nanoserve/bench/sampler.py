@@ -130,7 +130,7 @@ def main(argv=None) -> None:
     ap.add_argument("--engine-requests", type=int, default=64)
     ap.add_argument("--engine-steps", type=int, default=16)
     args = ap.parse_args(argv)
-    engine = EngineCore(EngineConfig(model=default_model_path(), dtype="float32"))
+    engine = EngineCore(EngineConfig(model=default_model_path()))  # the default weights, as served
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     logits = model_logits(engine, load_tokenizer(default_model_path()), max(sizes))
     print("| rows | batched chain (ms/step) | loop, same kernel per row (ms) | speed-up "
@@ -142,4 +142,4 @@ def main(argv=None) -> None:
     if args.engine_requests:
         share = engine_sampling_share(engine, args.engine_requests, args.engine_steps)
         print(f"\nsampling share of an engine step with {args.engine_requests} running requests "
-              f"(mixed parameters, SmolLM2, float32): {share * 100:.1f}%")
+              f"(mixed parameters, SmolLM2, default weights): {share * 100:.1f}%")

@@ -49,7 +49,7 @@ class ModelRunner:
         self.kv_caches = [KVCache(cfg.num_kv_heads, num_blocks * block_size, cfg.head_dim, KV_DTYPE)
                           for _ in range(cfg.num_layers)]
         self.sampler = Sampler(torch.Generator().manual_seed(seed), use_kernels=use_kernels)
-        self.decode_kernel = kernels.load() if use_kernels else None
+        self.kernel_lib = kernels.load() if use_kernels else None
         self.penalties = PenaltyState(cfg.vocab_size)
         self.allowed_masks: dict[str, torch.Tensor] = {}  # request id -> (V,) mask, built once
 
@@ -107,7 +107,7 @@ class ModelRunner:
                     prefills.append(PrefillSeq(q_start, n, end, slots, mask))
         meta = AttentionMetadata(positions=torch.tensor(positions, dtype=torch.long),
                                  slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),
-                                 num_decodes=num_decodes, prefills=prefills)
+                                 num_decodes=num_decodes, prefills=prefills, kernel_lib=self.kernel_lib)
         if num_decodes:
             self._decode_metadata(sched.requests[:num_decodes], meta)
         return (torch.tensor(input_ids, dtype=torch.long), meta,
@@ -126,8 +126,7 @@ class ModelRunner:
         pos = torch.arange(max_ctx)
         meta.decode_slots = table[:, pos // bs] * bs + pos % bs  # (Bd, Tmax)
         meta.decode_ctx_lens = ctx
-        meta.decode_kernel = self.decode_kernel
-        if self.decode_kernel is not None:
+        if self.kernel_lib is not None:
             return
         bias = torch.zeros(len(reqs), max_ctx, dtype=torch.float32)
         bias.masked_fill_(pos.unsqueeze(0) >= ctx.unsqueeze(1), float("-inf"))

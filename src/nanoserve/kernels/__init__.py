@@ -1,5 +1,5 @@
 """Small C kernels for the CPU hot spots PyTorch has no fused op for (paged decode attention, matrix
-products on 4-bit weight blocks, the sampler's whole chain), compiled with the system C compiler on first use into a per-user
+products on 4-bit weight blocks, fused elementwise layer steps, the sampler's whole chain), compiled with the system C compiler on first use into a per-user
 cache and loaded with ctypes. When no compiler is available, callers fall back to PyTorch."""
 from __future__ import annotations
 
@@ -16,7 +16,10 @@ import torch
 from nanoserve.cache import cache_dir
 
 logger = logging.getLogger(__name__)
-_SOURCES = [os.path.join(os.path.dirname(__file__), name) for name in ("decode_attention.c", "block_linear.c", "sampling.c")]
+_DIR = os.path.dirname(__file__)
+_SOURCES = [os.path.join(_DIR, name)
+            for name in ("decode_attention.c", "block_linear.c", "elementwise.c", "sampling.c")]
+_HEADERS = [os.path.join(_DIR, "vec_math.h")]
 _lib: Optional[ctypes.CDLL] = None
 _tried = False
 
@@ -30,7 +33,7 @@ def load() -> Optional[ctypes.CDLL]:
     if os.environ.get("NANOSERVE_NO_KERNELS"):
         return None
     digest = hashlib.sha256(os.uname().machine.encode())
-    for source in _SOURCES:
+    for source in _SOURCES + _HEADERS:
         with open(source, "rb") as f:
             digest.update(f.read())
     path = os.path.join(cache_dir("kernels"), f"nanoserve-kernels-{digest.hexdigest()[:16]}.so")
@@ -58,6 +61,10 @@ def load() -> Optional[ctypes.CDLL]:
     lib.rms_norm_f32.restype = None
     lib.block_gemm_f32.argtypes = [f32p] * 5 + [i64] * 3
     lib.block_gemm_f32.restype = None
+    lib.silu_mul_f32.argtypes = [f32p] * 2 + [i64] * 2
+    lib.silu_mul_f32.restype = None
+    lib.rope_write_kv_f32.argtypes = [f32p, i64, f32p, i64] + [f32p] * 5 + [i64] * 5
+    lib.rope_write_kv_f32.restype = None
     lib.sample_rows.argtypes = [f32p, f32p, i64, i64] + [f32p] * 19
     lib.sample_rows.restype = None
     _lib = lib
@@ -137,6 +144,27 @@ def block_gemm(lib: ctypes.CDLL, x: torch.Tensor, blocks: tuple[torch.Tensor, ..
     lib.block_gemm_f32(x.data_ptr(), blocks[0].data_ptr(), blocks[1].data_ptr(), mins, out.data_ptr(),
                        x.shape[0], x.shape[1], n)
     return out
+
+
+def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
+    """(T, 2I) float32, gate then up -> (T, I) silu(gate) * up."""
+    gate_up = gate_up.contiguous()
+    rows, width = gate_up.shape
+    out = torch.empty(rows, width // 2, dtype=torch.float32)
+    lib.silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
+    return out
+
+
+def rope_write_kv(lib: ctypes.CDLL, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                  cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slots: torch.Tensor) -> None:
+    """qkv: (T, (H + 2 KVH) D) float32 with contiguous rows (q heads, k heads, v heads): rotates q and k
+    in place with cos, sin (T, D) and writes k and v into the caches (KVH, num_slots, D) at `slots`."""
+    assert qkv.stride(1) == 1 and cos.is_contiguous() and sin.is_contiguous() and slots.is_contiguous()
+    v_offset = (num_heads + num_kv_heads) * head_dim * qkv.element_size()
+    lib.rope_write_kv_f32(qkv.data_ptr(), qkv.stride(0), qkv.data_ptr() + v_offset, qkv.stride(0), cos.data_ptr(),
+                          sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), qkv.shape[0],
+                          num_heads, num_kv_heads, head_dim, k_cache.shape[1])
 
 
 def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

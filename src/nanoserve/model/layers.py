@@ -143,7 +143,7 @@ class AttentionMetadata:
     decode_slots: Optional[torch.Tensor] = None  # (Bd, Tmax) cache slots of each decode's context
     decode_bias: Optional[torch.Tensor] = None  # (1, Bd, 1, Tmax) 0 / -inf padding mask
     decode_ctx_lens: Optional[torch.Tensor] = None  # (Bd,) context length of each decode
-    decode_kernel: Any = None  # the compiled C decode-attention library, when available
+    kernel_lib: Any = None  # the compiled C kernels (decode attention, fused steps), when available
     prefills: list[PrefillSeq] = field(default_factory=list)
     rope_cos: Optional[torch.Tensor] = None  # (T, 1, D), filled by the model once per step
     rope_sin: Optional[torch.Tensor] = None
@@ -159,20 +159,21 @@ class KVCache:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: (T, H, D); k, v: (T, KVH, D) for the new tokens. Writes k, v into the cache, then attends
-    each token to its sequence's context. Returns (T, H * D)."""
+                    meta: AttentionMetadata, scale: float, cached: bool = False) -> torch.Tensor:
+    """q: (T, H, D); k, v: (T, KVH, D) for the new tokens. Writes k, v into the cache (unless `cached`:
+    already written), then attends each token to its sequence's context. Returns (T, H * D)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     # NOTE: index_copy_/index_select on a flat index are several times faster than advanced indexing.
-    cache.k.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-    cache.v.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    if not cached:
+        cache.k.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        cache.v.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
 
     nd = meta.num_decodes
-    if nd and meta.decode_kernel is not None:
-        out[:nd] = kernels.decode_attention(meta.decode_kernel, q[:nd], cache.k, cache.v,
+    if nd and meta.kernel_lib is not None:
+        out[:nd] = kernels.decode_attention(meta.kernel_lib, q[:nd], cache.k, cache.v,
                                             meta.decode_slots, meta.decode_ctx_lens, scale)
     elif nd:
         # (KVH, Bd, G, D): heads of one KV group are consecutive in HF's layout.

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoserve import kernels
 from nanoserve.config import ModelConfig
 from nanoserve.model.layers import AttentionMetadata, KVCache, Linear, RMSNorm, RotaryEmbedding, paged_attention
 
@@ -28,7 +29,15 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
-        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if meta.kernel_lib is not None and not self.qk_norm and cache.k.dtype == torch.float32:
+            # One C pass: rotary on q and k in place, k and v written to the cache.
+            kernels.rope_write_kv(meta.kernel_lib, qkv, self.num_heads, self.num_kv_heads, self.head_dim,
+                                  meta.rope_cos, meta.rope_sin, cache.k, cache.v, meta.slot_mapping)
+            q, k, v = (t.view(n, -1, self.head_dim)
+                       for t in qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1))
+            return self.o_proj(paged_attention(q, k, v, cache, meta, self.scale, cached=True))
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.reshape(n, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             qk = torch.cat([self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])], 1)
@@ -45,8 +54,11 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+    def forward(self, x: torch.Tensor, lib=None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if lib is not None:
+            return self.down_proj(kernels.silu_mul(lib, gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -60,7 +72,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, rope, cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), rope, cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), meta.kernel_lib)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,43 @@
+/* The elementwise steps of a decoder layer, each one pass over its rows instead of several PyTorch
+ * ops: SiLU(gate) * up for the MLP, and rotary embedding of q and k in place plus the write of the new
+ * keys and values into the paged KV cache. */
+#include <stdint.h>
+#include <string.h>
+
+#include "vec_math.h"
+
+/* gate_up: (T, 2I), gate then up in each row; out: (T, I) = silu(gate) * up. */
+void silu_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I) {
+#pragma omp parallel for schedule(static) if (T * I > 65536)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gate_up + t * 2 * I, *u = g + I;
+        float *o = out + t * I;
+        for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.0f + fast_expf(-g[i])) * u[i];
+    }
+}
+
+/* qk: T rows (row stride qk_stride floats) of num_heads query heads then num_kv_heads key heads of D
+ * floats, rotated in place with cos, sin (T, D) in the rotate-half convention (element i pairs with
+ * i + D/2). Then each token's key heads and value heads (v, row stride v_stride) are copied into the
+ * caches (KVH, num_slots, D) at slots[t]. */
+void rope_write_kv_f32(float *qk, int64_t qk_stride, const float *v, int64_t v_stride, const float *cos,
+                       const float *sin, float *k_cache, float *v_cache, const int64_t *slots, int64_t T,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t D, int64_t num_slots) {
+    const int64_t half = D / 2;
+#pragma omp parallel for schedule(static) if (T > 16)
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos + t * D, *s = sin + t * D;
+        for (int64_t h = 0; h < num_heads + num_kv_heads; h++) {
+            float *x = qk + t * qk_stride + h * D;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = x[i], b = x[i + half];
+                x[i] = a * c[i] - b * s[i];
+                x[i + half] = b * c[i + half] + a * s[i + half];
+            }
+            if (h >= num_heads)
+                memcpy(k_cache + ((h - num_heads) * num_slots + slots[t]) * D, x, sizeof(float) * (size_t)D);
+        }
+        for (int64_t h = 0; h < num_kv_heads; h++)
+            memcpy(v_cache + (h * num_slots + slots[t]) * D, v + t * v_stride + h * D, sizeof(float) * (size_t)D);
+    }
+}

@@ -1,0 +1,50 @@
+/* Branch-free float32 exp and log that GCC vectorizes, shared by the C kernels. */
+#ifndef NANOSERVE_VEC_MATH_H
+#define NANOSERVE_VEC_MATH_H
+
+#include <math.h>
+#include <stdint.h>
+
+/* log(x) for finite x > 0 (normal floats), branch-free so that loops over it vectorize; the Cephes
+ * polynomial, about 1e-7 relative error. */
+static inline float fast_logf(float x) {
+    union { float f; int32_t i; } v = { x };
+    int32_t e = ((v.i >> 23) & 0xff) - 127;
+    v.i = (v.i & 0x007fffff) | 0x3f800000; /* mantissa in [1, 2) */
+    float m = v.f;
+    int big = m > 1.41421356f;
+    m = big ? m * 0.5f : m;
+    e += big;
+    float f = m - 1.0f, z = f * f;
+    float y = 7.0376836292e-2f;
+    y = y * f - 1.1514610310e-1f;
+    y = y * f + 1.1676998740e-1f;
+    y = y * f - 1.2420140846e-1f;
+    y = y * f + 1.4249322787e-1f;
+    y = y * f - 1.6668057665e-1f;
+    y = y * f + 2.0000714765e-1f;
+    y = y * f - 2.4999993993e-1f;
+    y = y * f + 3.3333331174e-1f;
+    y = y * f * z - 0.5f * z;
+    return f + y + 0.693147180559945f * (float)e;
+}
+
+/* exp(x), branch-free: 2^n * exp(r) with |r| <= ln(2) / 2 and the Cephes polynomial, about 2e-7
+ * relative error; x <= -87 (and -inf) gives 0, x above 88 gives exp(88). */
+static inline float fast_expf(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    x = x > 88.0f ? 88.0f : x;
+    float n = floorf(x * 1.44269504089f + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.0f;
+    union { float f; int32_t i; } v = { .i = ((int32_t)n + 127) << 23 };
+    return x <= -87.0f ? 0.0f : y * v.f;
+}
+
+#endif
