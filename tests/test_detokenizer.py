@@ -111,7 +111,7 @@ def test_deltas_concatenate_to_the_full_decode(text, fast):
 
 def reference_cut(ids, stops, include, min_tokens):
     """From full decodes of every prefix: the first token (past min_tokens) whose text completes a
-    stop string, and there the earliest such match."""
+    stop string, and there the earliest such match (the shorter of two at the same start)."""
     tok = tokenizer()
     def text_of(k):  # a prefix may end inside a character: drop the replacement chars decode adds
         return tok.decode(ids[:k], skip_special_tokens=True).rstrip("\ufffd")
@@ -119,7 +119,7 @@ def reference_cut(ids, stops, include, min_tokens):
         prev, text = len(text_of(k - 1)), text_of(k)
         found = [(i, s) for s in stops if (i := text.find(s, max(0, prev - len(s) + 1))) >= 0]
         if found:
-            i, s = min(found)
+            i, s = min(found, key=lambda m: (m[0], len(m[1])))
             return text[:i + len(s) if include else i], s
     return tok.decode(ids, skip_special_tokens=True), None
 
@@ -164,3 +164,10 @@ def test_any_chunking_gives_the_same_split(parts, cuts, name):
     bounds = sorted({min(c, len(text)) for c in cuts})
     chunks = [text[a:b] for a, b in zip([0] + bounds, bounds + [len(text)])]
     assert run(chunks) == run([text]) == run(list(text))
+
+
+def test_two_stop_strings_at_the_same_start_the_shorter_wins():
+    ids = tokenizer().encode("aa", add_special_tokens=False)  # found by hypothesis: "aa" is one token
+    for include, text in [(True, "a"), (False, "")]:
+        deltas, detok = stream(ids, SamplingParams(stop=["aa", "a"], include_stop_str_in_output=include))
+        assert "".join(deltas) == text and detok.stop_reason == "a"

@@ -68,11 +68,12 @@ class IncrementalDetokenizer:
     # ------------------------------------------------------------------------------ internals
     def _check_stop(self, previous_len: int) -> None:
         """Finds stop strings that end in the new text (searching only it plus the overlap each stop
-        string could span); the earliest match wins."""
+        string could span); the earliest match wins, and of two starting at the same character (one is
+        a prefix of the other) the shorter, which a character-by-character stream would complete first."""
         best: Optional[tuple[int, str]] = None
         for stop in self.stop:
             i = self.output_text.find(stop, max(0, previous_len - len(stop) + 1))
-            if i >= 0 and (best is None or i < best[0]):
+            if i >= 0 and (best is None or (i, len(stop)) < (best[0], len(best[1]))):
                 best = (i, stop)
         if best is None:
             return
