@@ -1,7 +1,7 @@
 """`nanoserve bench sampler`: the batched sampling chain against per-request loops doing the same work
-(one call per row, with the same C kernel and with the PyTorch chain), in one run, for several batch sizes over SmolLM2's real next-token
-logits (64 text prompts) with mixed parameters; then the share of an engine step spent sampling with
-64 running requests."""
+(one call per row, with the same C kernel and with the PyTorch chain), in one run, for several batch
+sizes over SmolLM2's real next-token logits (64 text prompts) with mixed parameters; then the share of
+an engine step spent sampling with 64 running requests."""
 from __future__ import annotations
 
 import argparse

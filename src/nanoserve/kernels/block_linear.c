@@ -244,7 +244,8 @@ void block_gemm_f32(const float *x, const void *qw, const uint16_t *d, const uin
                 int64_t j = 0;
                 for (; j + TILE_COLS <= rows; j += TILE_COLS) tile16x6(xT, Mp, i0, buf + j * K, K, out, n0 + j, M, N);
                 for (; j < rows; j++)
-                    for (int64_t i = i0; i < i0 + 16 && i < M; i += 8) tile8x1(xT, Mp, i, buf + j * K, K, out, n0 + j, M, N);
+                    for (int64_t i = i0; i < i0 + 16 && i < M; i += 8)
+                        tile8x1(xT, Mp, i, buf + j * K, K, out, n0 + j, M, N);
             }
         }
         free(buf);

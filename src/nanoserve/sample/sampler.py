@@ -216,7 +216,9 @@ class Sampler:
             prompt_mask, counts = penalties.prompt_mask, penalties.output_counts
             penalty_row = none.clone()
             penalty_row[md.penalty_rows] = md.penalty_state_rows
-            rep[md.penalty_rows], freq[md.penalty_rows], pres[md.penalty_rows] = md.repetition, md.frequency, md.presence
+            rep[md.penalty_rows] = md.repetition
+            freq[md.penalty_rows] = md.frequency
+            pres[md.penalty_rows] = md.presence
         keys = keys if keys is not None else torch.zeros(batch, 2, dtype=torch.int64)
         args = [logits, work, batch, vocab, temperature, min_p, top_k.to(torch.int64), top_p, keys, allowed,
                 allowed_row, ban_offsets, ban_tokens, bias_offsets, bias_tokens, bias_values, prompt_mask, counts,
