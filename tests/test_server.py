@@ -120,6 +120,35 @@ def test_stop_strings_and_extra_body(client):
     assert prompt_lp[0] is None and len(prompt_lp) == 3 and all(v["logprob"] <= 0 for v in prompt_lp[1].values())
     echo = client.completions.create(model="smol", prompt="Hello there", echo=True, max_tokens=2, temperature=0)
     assert echo.choices[0].text.startswith("Hello there") and len(echo.choices[0].text) > len("Hello there")
+    assert echo.choices[0].logprobs is None
+
+
+def test_echo_with_logprobs_scores_the_prompt(server, client):
+    """How evaluation harnesses score text: echo + logprobs returns the prompt's tokens first (the first
+    with a None logprob, nothing predicts it), then the generated ones, in one list; streamed alike."""
+    prompt = "The capital of France is Paris"
+    ids = httpx.post(f"{server.url}/tokenize", json={"model": "smol", "prompt": prompt}).json()["tokens"]
+    out = client.completions.create(model="smol", prompt=prompt, echo=True, logprobs=2, max_tokens=2,
+                                    temperature=0)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 2 and "".join(lp.tokens) == out.choices[0].text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(len(t) >= 1 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    assert out.choices[0].model_extra.get("prompt_logprobs") is None  # only when asked for
+    # The prompt part equals the engine's prompt logprobs.
+    scored = client.completions.create(model="smol", prompt=prompt, max_tokens=1,
+                                       extra_body={"prompt_logprobs": 2})
+    expected = [None] + [entry[str(t)]["logprob"] for t, entry in
+                         zip(ids[1:], scored.choices[0].model_extra["prompt_logprobs"][1:])]
+    assert lp.token_logprobs[:len(ids)] == expected
+    chunks = list(client.completions.create(model="smol", prompt=prompt, echo=True, logprobs=2, max_tokens=2,
+                                            temperature=0, stream=True))
+    streamed = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == lp.token_logprobs
+
+
+def test_chat_history_with_reasoning_content(client):
     history = [{"role": "user", "content": "Hi"},
                {"role": "assistant", "content": "Hello!", "reasoning_content": "greet back"},
                {"role": "user", "content": "Bye"}]

@@ -188,18 +188,30 @@ class OpenAIServing:
             out.append(item)
         return out
 
-    def completion_logprobs(self, entries: list[tuple[int, TokenLogprobs]], offset: int) -> dict:
+    def completion_logprobs(self, entries: list[tuple[int, Optional[TokenLogprobs]]], offset: int) -> dict:
+        """The completions shape; an entry without logprobs (the first token of an echoed prompt, which
+        nothing predicts) gets None, as in OpenAI's and vLLM's responses."""
         tokens, token_logprobs, top, offsets = [], [], [], []
         for token, lp in entries:
             text = self.token_text(token)
             offsets.append(offset)
             offset += len(text)
             tokens.append(text)
+            if lp is None:
+                token_logprobs.append(None)
+                top.append(None)
+                continue
             token_logprobs.append(lp.logprob)
             alternatives = {self.token_text(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)}
             alternatives.setdefault(text, lp.logprob)
             top.append(alternatives)
         return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": top}
+
+    def echo_logprobs(self, prompt_ids: list[int], entries: Optional[list[TokenLogprobs]],
+                      generated: dict) -> dict:
+        """An echoed prompt's logprobs (the engine's prompt logprobs) followed by the generated ones."""
+        prompt = self.completion_logprobs(list(zip(prompt_ids, [None, *(entries or [])])), 0)
+        return {key: prompt[key] + generated[key] for key in prompt}
 
     def chat_logprobs(self, entries: list[tuple[int, TokenLogprobs]]) -> dict:
         def item(token: int, value: float) -> dict:
@@ -234,8 +246,11 @@ class OpenAIServing:
         model = self.check_model(req.model)
         params = req.to_sampling_params()
         prompts = self.completion_prompts(req)
-        if req.echo and req.logprobs is not None:
-            raise APIError(400, "echo with logprobs is not supported", param="echo")
+        # echo with logprobs: the prompt's own logprobs come first, so the engine computes them too.
+        echo_logprobs = req.echo and params.logprobs is not None
+        wants_prompt_logprobs = params.prompt_logprobs is not None
+        if echo_logprobs:
+            params.prompt_logprobs = max(params.prompt_logprobs or 0, params.logprobs)
         texts = [t if t is not None else self.tokenizer.decode(ids) for t, ids in prompts]
         ids_list = [ids for _, ids in prompts]
         timer = RequestTimer(self.metrics)
@@ -245,26 +260,31 @@ class OpenAIServing:
         prefixes = [texts[i // n] if req.echo else "" for i in range(len(prompts) * n)]
         if req.stream:
             return StreamingResponse(self._guard(self._stream_completions(
-                req, streams, ids_list, prefixes, model, created, response_id, timer)), media_type="text/event-stream")
+                req, streams, ids_list, prefixes, model, created, response_id, timer, echo_logprobs)),
+                media_type="text/event-stream")
         choices = [Choice(i, prefixes[i]) for i in range(len(prompts) * n)]
         cached = await self._collect(raw, streams, n, choices, timer)
         body_choices = []
         for c in choices:
-            choice = {"index": c.index, "text": c.text,
-                      "logprobs": self.completion_logprobs(c.logprobs, len(prefixes[c.index]))
-                      if params.logprobs is not None else None,
+            logprobs = None
+            if params.logprobs is not None:
+                logprobs = self.completion_logprobs(c.logprobs, len(prefixes[c.index]))
+                if echo_logprobs:
+                    logprobs = self.echo_logprobs(ids_list[c.index // n], c.prompt_logprobs, logprobs)
+            choice = {"index": c.index, "text": c.text, "logprobs": logprobs,
                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             if req.return_token_ids:
                 choice["token_ids"] = c.token_ids
                 choice["prompt_token_ids"] = ids_list[c.index // n]
-            if params.prompt_logprobs is not None:
+            if wants_prompt_logprobs:
                 choice["prompt_logprobs"] = self.prompt_logprobs(ids_list[c.index // n], c.prompt_logprobs)
             body_choices.append(choice)
         completion_tokens = sum(len(c.token_ids) for c in choices)
         return JSONResponse({"id": response_id, "object": "text_completion", "created": created, "model": model,
                              "choices": body_choices, "usage": self.usage(ids_list, completion_tokens, cached)})
 
-    async def _stream_completions(self, req, streams, ids_list, prefixes, model, created, response_id, timer):
+    async def _stream_completions(self, req, streams, ids_list, prefixes, model, created, response_id, timer,
+                                  echo_logprobs=False):
         n = req.n
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = include_usage and req.stream_options.continuous_usage_stats
@@ -274,8 +294,8 @@ class OpenAIServing:
         async for index, delta in self._merge(streams, n, timer):
             completion_tokens += len(delta.token_ids)
             cached[index // n] = max(cached[index // n], delta.num_cached_tokens)
-            text = delta.text
-            if not echoed[index]:
+            text, first = delta.text, not echoed[index]
+            if first:
                 text, echoed[index] = prefixes[index] + text, True
             if not text and not delta.finished and not delta.logprobs:
                 continue
@@ -283,6 +303,9 @@ class OpenAIServing:
                       "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
             if delta.logprobs:
                 choice["logprobs"] = self.completion_logprobs(list(zip(delta.token_ids, delta.logprobs)), offsets[index])
+            if first and echo_logprobs:  # the echoed prompt's logprobs lead the first chunk
+                choice["logprobs"] = self.echo_logprobs(ids_list[index // n], delta.prompt_logprobs,
+                                                        choice["logprobs"] or self.completion_logprobs([], 0))
             offsets[index] += len(delta.text)
             if req.return_token_ids:
                 choice["token_ids"] = delta.token_ids
