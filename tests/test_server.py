@@ -146,6 +146,15 @@ def test_echo_with_logprobs_scores_the_prompt(server, client):
                                             temperature=0, stream=True))
     streamed = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
     assert streamed == lp.token_logprobs
+    # max_tokens 0: the prompt alone, with its logprobs (what lm-eval-harness sends to score text).
+    only = client.completions.create(model="smol", prompt=prompt, echo=True, logprobs=1, max_tokens=0)
+    assert only.choices[0].text == prompt and only.usage.completion_tokens == 0
+    assert only.choices[0].logprobs.token_logprobs == expected and only.choices[0].finish_reason == "length"
+    chunks = list(client.completions.create(model="smol", prompt=prompt, echo=True, logprobs=1, max_tokens=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == prompt
+    error_of(httpx.post(f"{server.url}/v1/completions", json={"model": "smol", "prompt": "x", "max_tokens": 0}),
+             400)  # without echo, max_tokens must be at least 1
 
 
 def test_chat_history_with_reasoning_content(client):

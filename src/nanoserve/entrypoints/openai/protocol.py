@@ -78,8 +78,14 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: Optional[str] = None
 
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens 0 (how evaluation harnesses score a prompt): the engine generates one
+        token, which the response leaves out."""
+        return self.echo and self.max_tokens == 0
+
     def to_sampling_params(self) -> SamplingParams:
-        return self.sampling_params(self.max_tokens, self.logprobs, 16)
+        return self.sampling_params(1 if self.prompt_only else self.max_tokens, self.logprobs, 16)
 
 
 class ChatMessage(OpenAIModel):

@@ -4,6 +4,7 @@ the engine through `AsyncLLM`, and comes back as an OpenAI-shaped JSON body or a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -264,6 +265,11 @@ class OpenAIServing:
                 media_type="text/event-stream")
         choices = [Choice(i, prefixes[i]) for i in range(len(prompts) * n)]
         cached = await self._collect(raw, streams, n, choices, timer)
+        if req.prompt_only:  # the prompt alone: drop the one token generated
+            for c in choices:
+                c.text, c.token_ids, c.logprobs = prefixes[c.index], [], []
+                if c.finish_reason in ("stop", "length"):
+                    c.finish_reason, c.stop_reason = "length", None
         body_choices = []
         for c in choices:
             logprobs = None
@@ -292,6 +298,11 @@ class OpenAIServing:
         echoed = [False] * len(prefixes)
         completion_tokens, cached = 0, [0] * len(streams)
         async for index, delta in self._merge(streams, n, timer):
+            if req.prompt_only:  # the prompt alone: drop the one token generated
+                ended = delta.finish_reason in ("stop", "length")
+                delta = dataclasses.replace(delta, text="", token_ids=[], logprobs=None,
+                                            finish_reason="length" if ended else delta.finish_reason,
+                                            stop_reason=None if ended else delta.stop_reason)
             completion_tokens += len(delta.token_ids)
             cached[index // n] = max(cached[index // n], delta.num_cached_tokens)
             text, first = delta.text, not echoed[index]
