@@ -1,20 +1,14 @@
 """The compiled C kernels (paged decode attention, 4-bit and 8-bit block matrix products, fused layer
 steps) against plain PyTorch references, and the model's output with and without them."""
-import shutil
-import sysconfig
-
 import pytest
 import torch
 
 from nanoserve import kernels
+from c_compiler import requires_c_compiler
 from runner_driver import RunnerDriver
 
 lib = kernels.load()
-_compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
-# Only a machine without any C compiler may skip (there the PyTorch path serves); where one exists,
-# a kernel that fails to build is a failure, not a skip.
-pytestmark = pytest.mark.skipif(shutil.which(_compiler) is None and shutil.which("cc") is None,
-                                reason="no C compiler on this machine: nanoserve uses the PyTorch path")
+pytestmark = requires_c_compiler
 
 
 def test_kernel_builds_where_a_compiler_exists():

@@ -5,15 +5,21 @@ import torch
 
 import pytest
 
-from nanoserve import kernels
+from c_compiler import HAS_C_COMPILER, requires_c_compiler
 from nanoserve.sample.metadata import SamplingMetadata
 from nanoserve.sample.sampler import Sampler, apply_min_p, apply_top_k_top_p
 from nanoserve.sampling_params import SamplingParams
 
 # Both implementations of the chain: the C kernel (the default) and the PyTorch code it replaces when
 # no C compiler is available.
-needs_kernels = pytest.mark.skipif(kernels.load() is None, reason="no C compiler for the kernels")
-PATHS = [pytest.param(True, marks=needs_kernels, id="kernel"), pytest.param(False, id="torch")]
+PATHS = [pytest.param(True, marks=requires_c_compiler, id="kernel"), pytest.param(False, id="torch")]
+
+
+def make_sampler(use_kernels: bool, seed: int = 0) -> Sampler:
+    """A sampler on the asked-for path; with a compiler present the kernel must have built."""
+    sampler = Sampler(torch.Generator().manual_seed(seed), use_kernels=use_kernels)
+    assert (sampler.lib is not None) == use_kernels, "the C kernels failed to build"
+    return sampler
 
 NEG = float("-inf")
 
@@ -60,13 +66,13 @@ def test_batched_filters_equal_per_row_reference():
     assert (~torch.isinf(batched[0])).sum() == 5 and (~torch.isinf(batched[6])).sum() == 1
 
 
-@needs_kernels
+@requires_c_compiler
 def test_kernel_chain_equals_per_row_reference():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(len(MIXED), 1000, generator=g) * 3
     md = SamplingMetadata.build(MIXED, vocab_size=1000)
     md.need_processed = True
-    tokens, processed = Sampler(use_kernels=True).sample(logits, md)
+    tokens, processed = make_sampler(True).sample(logits, md)
     for i, p in enumerate(MIXED):
         ref = _reference_row(logits[i], p)
         assert torch.equal(torch.isinf(processed[i]), torch.isinf(ref)), i
@@ -87,7 +93,7 @@ def test_greedy_rows_take_argmax_and_filters_restrict_samples(use_kernels):
     logits = torch.randn(len(MIXED), 1000, generator=g) * 3
     md = SamplingMetadata.build(MIXED, vocab_size=1000)
     allowed = [~torch.isinf(_reference_row(logits[i], p)) for i, p in enumerate(MIXED)]
-    sampler = Sampler(torch.Generator().manual_seed(2), use_kernels=use_kernels)
+    sampler = make_sampler(use_kernels, seed=2)
     for _ in range(50):
         out = sampler(logits, md)
         assert out[2] == logits[2].argmax() and out[6] == logits[6].argmax()
@@ -100,7 +106,7 @@ def test_exponential_race_matches_probabilities(use_kernels):
     rows = 200_000
     logits = probs.log().expand(rows, -1).contiguous()
     md = SamplingMetadata.build([SamplingParams(temperature=1.0)] * rows, vocab_size=8)
-    tokens = Sampler(torch.Generator().manual_seed(3), use_kernels=use_kernels)(logits, md)
+    tokens = make_sampler(use_kernels, seed=3)(logits, md)
     freq = torch.bincount(tokens, minlength=8).float() / rows
     assert (freq - probs).abs().max() < 0.01
     assert freq[5] == 0  # a zero-probability token is never drawn
@@ -115,7 +121,7 @@ def test_seeded_row_is_independent_of_the_batch(use_kernels):
     def draw(batch_logits, position, engine_seed, steps=20, kernel=use_kernels):
         params = [SamplingParams(temperature=0.9)] * batch_logits.shape[0]
         params[position] = seeded
-        sampler = Sampler(torch.Generator().manual_seed(engine_seed), use_kernels=kernel)
+        sampler = make_sampler(kernel, seed=engine_seed)
         out = []
         for step in range(steps):  # the row's output position advances one token per step
             md = SamplingMetadata.build(params, vocab_size=500, num_output_tokens=[step] * len(params))
@@ -159,12 +165,12 @@ def test_penalties_equal_per_row_reference_and_counts_are_incremental():
             c = outputs[i].count(t)
             x -= freq[i].item() * c + pres[i].item() * (c > 0)
             assert abs(out[i, t].item() - x) < 1e-5
-    if kernels.load() is not None:  # the kernel applies the same penalties to greedy rows' logits
+    if HAS_C_COMPILER:  # the kernel applies the same penalties to greedy rows' logits
         params = [SamplingParams(temperature=0, repetition_penalty=r.item(), frequency_penalty=f.item(),
                                  presence_penalty=q.item()) for r, f, q in zip(rep, freq, pres)]
         md = SamplingMetadata.build(params, vocab, penalty_state_rows=dict(enumerate(rows)))
         md.need_processed = True
-        tokens, processed = Sampler(use_kernels=True).sample(logits, md, state)
+        tokens, processed = make_sampler(True).sample(logits, md, state)
         assert torch.allclose(processed, out, atol=1e-5) and torch.equal(tokens, out.argmax(dim=-1))
     state.remove("0")
     assert state.row("new", [1], []) == rows[0]  # rows are reused
@@ -179,10 +185,10 @@ def test_processors_bias_allowed_and_min_tokens(use_kernels):
     logits[1, 9] = 5.0
     logits[2, 0] = logits[2, 4] = 10.0  # token 0 is EOS here
     md = SamplingMetadata.build(params, 10, num_output_tokens=[0, 0, 2], eos_token_ids=(0,))
-    out = Sampler(use_kernels=use_kernels)(logits, md)
+    out = make_sampler(use_kernels)(logits, md)
     assert out[0] == 7 and out[1] in (2, 3) and out[2] not in (0, 4)
     md = SamplingMetadata.build(params, 10, num_output_tokens=[0, 0, 5], eos_token_ids=(0,))
-    assert Sampler(use_kernels=use_kernels)(logits, md)[2] in (0, 4)  # min_tokens reached: EOS allowed again
+    assert make_sampler(use_kernels)(logits, md)[2] in (0, 4)  # min_tokens reached: EOS allowed again
 
 
 def test_new_fields_validated():
@@ -217,7 +223,7 @@ def test_top_k_top_p_fall_back_to_a_full_sort_when_candidates_are_not_enough():
         assert torch.equal(torch.isinf(out[i]), torch.isinf(ref)), i
     assert (~torch.isinf(out[1])).sum() == vocab  # a tie at the k-th value keeps every tied token
     assert 4000 < (~torch.isinf(out[0])).sum() < 5000
-    if kernels.load() is not None:  # the kernel widens its candidate cut the same way
+    if HAS_C_COMPILER:  # the kernel widens its candidate cut the same way
         md.need_processed = True
-        processed = Sampler(use_kernels=True).sample(flat, md)[1]
+        processed = make_sampler(True).sample(flat, md)[1]
         assert torch.equal(torch.isinf(processed), torch.isinf(out))

@@ -21,6 +21,18 @@ _DIR = os.path.dirname(__file__)
 _SOURCES = [os.path.join(_DIR, name)
             for name in ("decode_attention.c", "block_linear.c", "elementwise.c", "sampling.c")]
 _HEADERS = [os.path.join(_DIR, "vec_math.h")]
+_i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+# Every exported kernel (all return void) and its arguments: pointers, int64 sizes, float scalars.
+_SIGNATURES = {
+    "decode_attention_f32": [_ptr] * 6 + [_i64] * 6 + [_f32],
+    "q4_linear_f32": [_ptr] * 5 + [_i64] * 3,
+    "q8_linear_f32": [_ptr] * 4 + [_i64] * 3,
+    "block_gemm_f32": [_ptr] * 5 + [_i64] * 3,
+    "rms_norm_f32": [_ptr] * 3 + [_i64] * 2 + [_f32],
+    "silu_mul_f32": [_ptr] * 2 + [_i64] * 2,
+    "rope_write_kv_f32": [_ptr, _i64, _ptr, _i64] + [_ptr] * 5 + [_i64] * 5,
+    "sample_rows": [_ptr, _ptr, _i64, _i64] + [_ptr] * 19,
+}
 _lib: Optional[ctypes.CDLL] = None
 _tried = False
 
@@ -51,23 +63,9 @@ def load() -> Optional[ctypes.CDLL]:
     except (OSError, subprocess.SubprocessError) as exc:
         logger.warning("C kernels unavailable, using the PyTorch attention path: %s", exc)
         return None
-    i64, f32p = ctypes.c_int64, ctypes.c_void_p
-    lib.decode_attention_f32.argtypes = [f32p] * 6 + [i64] * 6 + [ctypes.c_float]
-    lib.decode_attention_f32.restype = None
-    lib.q4_linear_f32.argtypes = [f32p] * 5 + [i64] * 3
-    lib.q4_linear_f32.restype = None
-    lib.q8_linear_f32.argtypes = [f32p] * 4 + [i64] * 3
-    lib.q8_linear_f32.restype = None
-    lib.rms_norm_f32.argtypes = [f32p] * 3 + [i64] * 2 + [ctypes.c_float]
-    lib.rms_norm_f32.restype = None
-    lib.block_gemm_f32.argtypes = [f32p] * 5 + [i64] * 3
-    lib.block_gemm_f32.restype = None
-    lib.silu_mul_f32.argtypes = [f32p] * 2 + [i64] * 2
-    lib.silu_mul_f32.restype = None
-    lib.rope_write_kv_f32.argtypes = [f32p, i64, f32p, i64] + [f32p] * 5 + [i64] * 5
-    lib.rope_write_kv_f32.restype = None
-    lib.sample_rows.argtypes = [f32p, f32p, i64, i64] + [f32p] * 19
-    lib.sample_rows.restype = None
+    for name, argtypes in _SIGNATURES.items():
+        getattr(lib, name).argtypes = argtypes
+        getattr(lib, name).restype = None
     _lib = lib
     return lib
 
