@@ -79,6 +79,10 @@ def test_kernel_chain_equals_per_row_reference():
         finite = ~torch.isinf(ref)
         assert torch.equal(processed[i][finite], ref[finite]), i
         assert finite[tokens[i]], i
+    # Without processed logits wanted, each row works in a per-thread buffer: the same tokens.
+    md.need_processed = False
+    again, none = make_sampler(True).sample(logits, md)
+    assert none is None and torch.equal(again, tokens)
 
 
 def test_fast_paths_leave_stages_off():

@@ -31,7 +31,7 @@ _SIGNATURES = {
     "rms_norm_f32": [_ptr] * 3 + [_i64] * 2 + [_f32],
     "silu_mul_f32": [_ptr] * 2 + [_i64] * 2,
     "rope_write_kv_f32": [_ptr, _i64, _ptr, _i64] + [_ptr] * 5 + [_i64] * 5,
-    "sample_rows": [_ptr, _ptr, _i64, _i64] + [_ptr] * 19,
+    "sample_rows": [_ptr, _ptr, _i64, _i64, _i64] + [_ptr] * 19,
 }
 _lib: Optional[ctypes.CDLL] = None
 _tried = False

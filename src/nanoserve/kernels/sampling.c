@@ -5,6 +5,7 @@
  * u_i is a counter-based hash of the row's 64-bit key and the token id, so a row's draws depend only on
  * its key (from its seed and output position), never on the batch around it. */
 #include <immintrin.h>
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -34,12 +35,6 @@ static inline float gumbel_key(float x, uint32_t k0, uint32_t k1, uint32_t token
 
 typedef struct { float v; int32_t i; } Entry;
 
-static int by_value_desc(const void *a, const void *b) {
-    const Entry *x = a, *y = b;
-    if (x->v != y->v) return x->v < y->v ? 1 : -1;
-    return x->i - y->i;
-}
-
 static float row_max(const float *x, int64_t n) {
     __m256 mv = _mm256_set1_ps(-INFINITY);
     int64_t i = 0;
@@ -67,79 +62,186 @@ static int64_t argmax(const float *x, int64_t n) {
 
 /* Gumbel keys are at most GUMBEL_MAX (-log(-log(1 - 2^-24)) = 16.64, plus slack for fast_logf), so a
  * token whose logit is more than that below some token's key can never win the race: the race only
- * computes keys for the others, and still picks exactly the token a full pass would. */
+ * computes keys where they can matter, and still picks exactly the token a full pass would. */
 #define GUMBEL_MAX 16.75f
 
-static int64_t race(const float *x, int64_t n, uint32_t k0, uint32_t k1, int32_t *idx, float *keys) {
-    const int64_t top = argmax(x, n);
-    const float floor = gumbel_key(x[top], k0, k1, (uint32_t)top) - GUMBEL_MAX;
-    int64_t live = 0;
-    for (int64_t i = 0; i < n; i++) { /* branch-free compaction */
-        idx[live] = (int32_t)i;
-        live += x[i] > floor;
+/* For each 8-bit mask, the lane numbers of its set bits, lowest first, one byte each: the permutation
+ * that packs the selected lanes of a vector to its front. */
+static uint64_t pack_lut[256];
+
+__attribute__((constructor)) static void build_pack_lut(void) {
+    for (int mask = 0; mask < 256; mask++) {
+        uint64_t lanes = 0;
+        int n = 0;
+        for (int lane = 0; lane < 8; lane++)
+            if (mask & (1 << lane)) lanes |= (uint64_t)lane << (8 * n++);
+        pack_lut[mask] = lanes;
     }
-    for (int64_t j = 0; j < live; j++) keys[j] = gumbel_key(x[idx[j]], k0, k1, (uint32_t)idx[j]);
-    return idx[argmax(keys, live)];
 }
 
-/* The k-th largest of x (counting repeats) with a k-sized min-heap: most values fail the first
- * comparison, so this is one pass for the small k clients use. */
-static float kth_largest(const float *x, int64_t n, int64_t k, float *heap) {
-    int64_t size = 0;
-    for (int64_t i = 0; i < n; i++) {
-        float v = x[i];
-        if (size == k && !(v > heap[0])) continue;
-        int64_t j;
-        if (size < k) { /* sift up */
-            j = size++;
-            while (j > 0 && heap[(j - 1) / 2] > v) { heap[j] = heap[(j - 1) / 2]; j = (j - 1) / 2; }
-            heap[j] = v;
-            continue;
-        }
-        j = 0; /* replace the minimum, sift down */
-        for (;;) {
-            int64_t c = 2 * j + 1;
-            if (c >= k) break;
-            if (c + 1 < k && heap[c + 1] < heap[c]) c++;
-            if (!(heap[c] < v)) break;
-            heap[j] = heap[c];
-            j = c;
-        }
-        heap[j] = v;
+/* The race over a whole row: the tokens above the floor are packed (ids and values) into the scratch
+ * arrays, then their keys are computed in one vectorizable loop. Ties go to the lower token id, as a
+ * scan in order would. */
+static int64_t race_all(const float *x, int64_t n, uint32_t k0, uint32_t k1, int32_t *ids, float *vals) {
+    const int64_t top = argmax(x, n);
+    const float floor = gumbel_key(x[top], k0, k1, (uint32_t)top) - GUMBEL_MAX;
+    const __m256 fv = _mm256_set1_ps(floor);
+    __m256i iv = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i step = _mm256_set1_epi32(8);
+    int64_t live = 0, i = 0;
+    for (; i + 8 <= n; i += 8, iv = _mm256_add_epi32(iv, step)) { /* branch-free left-pack */
+        const __m256 v = _mm256_loadu_ps(x + i);
+        const int hit = _mm256_movemask_ps(_mm256_cmp_ps(v, fv, _CMP_GT_OQ));
+        const __m256i perm = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)&pack_lut[hit]));
+        _mm256_storeu_si256((__m256i *)(ids + live), _mm256_permutevar8x32_epi32(iv, perm));
+        _mm256_storeu_ps(vals + live, _mm256_permutevar8x32_ps(v, perm));
+        live += __builtin_popcount((unsigned)hit);
     }
+    for (; i < n; i++)
+        if (x[i] > floor) { ids[live] = (int32_t)i; vals[live++] = x[i]; }
+    for (int64_t j = 0; j < live; j++) vals[j] = gumbel_key(vals[j], k0, k1, (uint32_t)ids[j]);
+    return ids[argmax(vals, live)];
+}
+
+/* The race among kept candidates only (top-k / top-p / min_p rows). */
+static int64_t race_candidates(const Entry *cand, int64_t nc, uint32_t k0, uint32_t k1) {
+    float best = -INFINITY;
+    int64_t won = cand[0].i;
+    for (int64_t j = 0; j < nc; j++) {
+        float g = gumbel_key(cand[j].v, k0, k1, (uint32_t)cand[j].i);
+        if (g > best || (g == best && cand[j].i < won)) { best = g; won = cand[j].i; }
+    }
+    return won;
+}
+
+static inline void heap_push(float *heap, int64_t *size, int64_t k, float v) {
+    int64_t j;
+    if (*size < k) { /* sift up */
+        j = (*size)++;
+        while (j > 0 && heap[(j - 1) / 2] > v) { heap[j] = heap[(j - 1) / 2]; j = (j - 1) / 2; }
+        heap[j] = v;
+        return;
+    }
+    if (!(v > heap[0])) return;
+    j = 0; /* replace the minimum, sift down */
+    for (;;) {
+        int64_t c = 2 * j + 1;
+        if (c >= k) break;
+        if (c + 1 < k && heap[c + 1] < heap[c]) c++;
+        if (!(heap[c] < v)) break;
+        heap[j] = heap[c];
+        j = c;
+    }
+    heap[j] = v;
+}
+
+/* The k-th largest of x (counting repeats) with a k-sized min-heap; once it is full, blocks of 8 with
+ * nothing above its minimum are skipped with one comparison, so this is one pass for the small k
+ * clients use. */
+static float kth_largest(const float *x, int64_t n, int64_t k, float *heap) {
+    int64_t size = 0, i = 0;
+    for (; i + 8 <= n; i += 8) {
+        if (size == k && !_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(heap[0]),
+                                                             _CMP_GT_OQ)))
+            continue;
+        for (int64_t j = i; j < i + 8; j++) heap_push(heap, &size, k, x[j]);
+    }
+    for (; i < n; i++) heap_push(heap, &size, k, x[i]);
     return heap[0];
 }
 
-/* top-p over the finite values of x (max m): keeps tokens in descending order while the probability
- * of the tokens ranked above them is below p, the first always. Only tokens within `cut` of the max
- * are sorted; the cut widens until they hold at least p of the mass. */
-static void top_p_keep(float *x, int64_t n, float m, float p, Entry *cand) {
-    float z = 0.0f;
-    for (int64_t i = 0; i < n; i++) z += fast_expf(x[i] - m); /* exp(-inf) = 0 */
+/* Appends to cand the tokens with x >= lo (lo > -inf) and returns their count; adds exp(x - m) of each
+ * to *mass. */
+static int64_t collect(const float *x, int64_t n, float lo, float m, Entry *cand, double *mass) {
+    const __m256 lv = _mm256_set1_ps(lo);
+    int64_t nc = 0, i = 0;
+    for (; i + 8 <= n; i += 8) {
+        unsigned hit = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), lv, _CMP_GE_OQ));
+        for (; hit; hit &= hit - 1) {
+            int64_t t = i + __builtin_ctz(hit);
+            cand[nc].v = x[t];
+            cand[nc++].i = (int32_t)t;
+        }
+    }
+    for (; i < n; i++)
+        if (x[i] >= lo) { cand[nc].v = x[i]; cand[nc++].i = (int32_t)i; }
+    double s = 0.0;
+    for (int64_t j = 0; j < nc; j++) s += fast_expf(cand[j].v - m);
+    *mass += s;
+    return nc;
+}
+
+/* "a ranks before b": higher value, then lower token id (the order of a stable descending sort). */
+static inline int before(Entry a, Entry b) { return a.v > b.v || (a.v == b.v && a.i < b.i); }
+
+static void sift_down(Entry *h, int64_t n, int64_t j) {
+    const Entry e = h[j];
+    for (;;) {
+        int64_t c = 2 * j + 1;
+        if (c >= n) break;
+        if (c + 1 < n && before(h[c + 1], h[c])) c++;
+        if (!before(h[c], e)) break;
+        h[j] = h[c];
+        j = c;
+    }
+    h[j] = e;
+}
+
+/* Fills cand with the tokens that survive top-p among those with x >= lo (max m), and returns their
+ * count: tokens are kept in rank order while the probability of the tokens ranked above them is below
+ * p, the first always. Only tokens within `cut` of the max are looked at; the cut widens until they
+ * hold at least p of the mass. They are ranked with a heap, popping only as many as top-p keeps. */
+static int64_t top_p_keep(const float *x, int64_t n, float m, float lo, float p, Entry *cand) {
     const float cuts[] = {10.0f, 25.0f, INFINITY};
+    double z = -1.0, mass = 0.0;
     int64_t nc = 0;
     for (int c = 0; c < 3; c++) {
-        float lo = m - cuts[c];
-        double mass = 0.0;
-        nc = 0;
-        for (int64_t i = 0; i < n; i++)
-            if (x[i] >= lo && x[i] > -INFINITY) {
-                cand[nc].v = x[i];
-                cand[nc++].i = (int32_t)i;
-                mass += fast_expf(x[i] - m);
+        mass = 0.0;
+        nc = collect(x, n, fmaxf(lo, m - cuts[c]), m, cand, &mass);
+        if (z < 0.0) { /* the normaliser: the first cut's own mass when it does not bind */
+            if (lo >= m - cuts[c]) {
+                z = mass;
+            } else {
+                float sum = 0.0f;
+                for (int64_t i = 0; i < n; i++) sum += x[i] >= lo ? fast_expf(x[i] - m) : 0.0f;
+                z = sum;
             }
+        }
         if (mass >= p * z) break;
     }
-    qsort(cand, (size_t)nc, sizeof(Entry), by_value_desc);
+    for (int64_t j = nc / 2 - 1; j >= 0; j--) sift_down(cand, nc, j);
     double above = 0.0, limit = (double)p * z;
-    int64_t nk = 0;
-    for (; nk < nc; nk++) {
-        if (nk > 0 && !(above < limit)) break;
-        above += fast_expf(cand[nk].v - m);
+    int64_t nk = 0, left = nc;
+    while (left > 0 && (nk == 0 || above < limit)) { /* pop the best to the end of the array */
+        Entry best = cand[0];
+        cand[0] = cand[--left];
+        sift_down(cand, left, 0);
+        cand[left] = best;
+        above += fast_expf(best.v - m);
+        nk++;
     }
-    /* Drop everything, then put the kept values back. */
-    for (int64_t i = 0; i < n; i++) x[i] = -INFINITY;
-    for (int64_t j = 0; j < nk; j++) x[cand[j].i] = cand[j].v;
+    memmove(cand, cand + left, sizeof(Entry) * (size_t)nk);
+    return nk;
+}
+
+/* x[i] = src[i] / t (in place allowed); returns the row's max. */
+static float scale_max(float *x, const float *src, int64_t n, float t) {
+    const __m256 tv = _mm256_set1_ps(t);
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_div_ps(_mm256_loadu_ps(src + i), tv);
+        _mm256_storeu_ps(x + i, v);
+        mv = _mm256_max_ps(mv, v);
+    }
+    float lanes[8], m = -INFINITY;
+    _mm256_storeu_ps(lanes, mv);
+    for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
+    for (; i < n; i++) {
+        x[i] = src[i] / t;
+        m = x[i] > m ? x[i] : m;
+    }
+    return m;
 }
 
 static void apply_processors(float *x, int64_t b, int64_t V, const uint8_t *allowed, const int64_t *allowed_row,
@@ -157,71 +259,83 @@ static void apply_processors(float *x, int64_t b, int64_t V, const uint8_t *allo
         const uint8_t *pm = prompt_mask + penalty_row[b] * V;
         const int32_t *counts = output_counts + penalty_row[b] * V;
         const float rep = repetition[b], freq = frequency[b], pres = presence[b];
-        for (int64_t i = 0; i < V; i++) {
-            float v = x[i], c = (float)counts[i];
-            if (pm[i] || counts[i] > 0) v = v > 0 ? v / rep : v * rep;
-            v = v - freq * c;
-            x[i] = v - pres * (float)(counts[i] > 0);
+        for (int64_t i = 0; i < V; i++) { /* branch-free, so that it vectorizes */
+            const float v = x[i], c = (float)counts[i], penalized = v > 0 ? v / rep : v * rep;
+            const int seen = (pm[i] != 0) | (counts[i] > 0);
+            x[i] = (seen ? penalized : v) - freq * c - pres * (float)(counts[i] > 0);
         }
     }
 }
 
-/* logits, work: (B, V) float32; work receives each row's processed logits (greedy rows: after the
- * processors only; others also divided by their temperature, dropped tokens at -inf). Per row:
- * temperature (0 = greedy), min_p (0 = off), top_k (>= V = off), top_p (1 = off), keys (B, 2) uint32
- * in int64. allowed_row, penalty_row: -1 or a row of `allowed` (A, V) / the penalty tensors;
- * bans and biases as CSR lists (offsets of length B + 1). */
-void sample_rows(const float *logits, float *work, int64_t B, int64_t V, const float *temperature,
-                 const float *min_p, const int64_t *top_k, const float *top_p, const int64_t *keys,
-                 const uint8_t *allowed, const int64_t *allowed_row, const int64_t *ban_offsets,
-                 const int64_t *ban_tokens, const int64_t *bias_offsets, const int64_t *bias_tokens,
-                 const float *bias_values, const uint8_t *prompt_mask, const int32_t *output_counts,
-                 const int64_t *penalty_row, const float *repetition, const float *frequency,
-                 const float *presence, int64_t *tokens) {
+/* logits: (B, V) float32. Per row: temperature (0 = greedy), min_p (0 = off), top_k (>= V = off),
+ * top_p (1 = off), keys (B, 2) uint32 in int64. allowed_row, penalty_row: -1 or a row of `allowed`
+ * (A, V) / the penalty tensors; bans and biases as CSR lists (offsets of length B + 1). When
+ * write_work, work (B, V) receives each row's processed logits (greedy rows: after the processors
+ * only; others also divided by their temperature, dropped tokens at -inf); otherwise it is not touched
+ * and each row works in a per-thread buffer that stays in cache. */
+void sample_rows(const float *logits, float *work, int64_t write_work, int64_t B, int64_t V,
+                 const float *temperature, const float *min_p, const int64_t *top_k, const float *top_p,
+                 const int64_t *keys, const uint8_t *allowed, const int64_t *allowed_row,
+                 const int64_t *ban_offsets, const int64_t *ban_tokens, const int64_t *bias_offsets,
+                 const int64_t *bias_tokens, const float *bias_values, const uint8_t *prompt_mask,
+                 const int32_t *output_counts, const int64_t *penalty_row, const float *repetition,
+                 const float *frequency, const float *presence, int64_t *tokens) {
 #pragma omp parallel
     {
-        /* Per-thread scratch: candidates for top-p, the heap for top-k, the race's live tokens. */
+        /* Per-thread scratch: the row, candidates for top-k / top-p, the heap for top-k. */
+        float *row = malloc(sizeof(float) * (size_t)V);
         Entry *cand = malloc(sizeof(Entry) * (size_t)V);
-        float *scratch = malloc(sizeof(float) * (size_t)V);
-        int32_t *idx = malloc(sizeof(int32_t) * (size_t)V);
+        float *heap = malloc(sizeof(float) * (size_t)(V + 8)); /* also the race's packed values */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t b = 0; b < B; b++) {
-            float *x = work + b * V;
-            const float *raw = logits + b * V;
+            float *x = write_work ? work + b * V : row;
+            const float *src = logits + b * V;
             const float t = temperature[b];
             const int processed = allowed_row[b] >= 0 || penalty_row[b] >= 0 || ban_offsets[b + 1] > ban_offsets[b]
                                   || bias_offsets[b + 1] > bias_offsets[b];
             if (processed) {
-                memcpy(x, raw, sizeof(float) * (size_t)V);
+                memcpy(x, src, sizeof(float) * (size_t)V);
                 apply_processors(x, b, V, allowed, allowed_row, ban_offsets, ban_tokens, bias_offsets,
                                  bias_tokens, bias_values, prompt_mask, output_counts, penalty_row, repetition,
                                  frequency, presence);
-                raw = x;
+                src = x;
             }
             if (t == 0.0f) {
-                if (!processed) memcpy(x, raw, sizeof(float) * (size_t)V);
-                tokens[b] = argmax(x, V);
+                if (write_work && !processed) memcpy(x, src, sizeof(float) * (size_t)V);
+                tokens[b] = argmax(src, V);
                 continue;
             }
-            for (int64_t i = 0; i < V; i++) x[i] = raw[i] / t; /* the copy and the temperature in one pass */
-            const float m = row_max(x, V);
+            const float m = scale_max(x, src, V, t);
             if (!(m > -INFINITY)) { /* every token banned: nothing to draw from */
                 tokens[b] = 0;
                 continue;
             }
-            if (min_p[b] > 0.0f) { /* p_i < min_p * p_max  <=>  x_i < m + log(min_p) */
-                const float lo = m + logf(min_p[b]);
+            /* min_p and top-k are thresholds: p_i < min_p * p_max <=> x_i < m + log(min_p), and the
+             * k-th largest of what min_p left is the k-th largest overall unless that is below it. */
+            float lo = -INFINITY;
+            if (min_p[b] > 0.0f) lo = m + logf(min_p[b]);
+            if (top_k[b] < V) lo = fmaxf(lo, kth_largest(x, V, top_k[b], heap));
+            const uint32_t k0 = (uint32_t)keys[2 * b], k1 = (uint32_t)keys[2 * b + 1];
+            int64_t nk = -1; /* kept candidates, or -1: threshold rows keep everything >= lo */
+            if (top_p[b] < 1.0f) {
+                nk = top_p_keep(x, V, m, fmaxf(lo, -FLT_MAX), top_p[b], cand);
+                tokens[b] = race_candidates(cand, nk, k0, k1);
+            } else if (lo > -INFINITY) {
+                double mass = 0.0;
+                tokens[b] = race_candidates(cand, collect(x, V, lo, m, cand, &mass), k0, k1);
+            } else {
+                tokens[b] = race_all(x, V, k0, k1, (int32_t *)cand, heap);
+            }
+            if (!write_work) continue;
+            if (nk >= 0) { /* drop everything, then put the kept values back */
+                for (int64_t i = 0; i < V; i++) x[i] = -INFINITY;
+                for (int64_t j = 0; j < nk; j++) x[cand[j].i] = cand[j].v;
+            } else if (lo > -INFINITY) {
                 for (int64_t i = 0; i < V; i++) x[i] = x[i] < lo ? -INFINITY : x[i];
             }
-            if (top_k[b] < V) {
-                const float kth = kth_largest(x, V, top_k[b], scratch);
-                for (int64_t i = 0; i < V; i++) x[i] = x[i] < kth ? -INFINITY : x[i];
-            }
-            if (top_p[b] < 1.0f) top_p_keep(x, V, m, top_p[b], cand);
-            tokens[b] = race(x, V, (uint32_t)keys[2 * b], (uint32_t)keys[2 * b + 1], idx, scratch);
         }
+        free(row);
         free(cand);
-        free(scratch);
-        free(idx);
+        free(heap);
     }
 }

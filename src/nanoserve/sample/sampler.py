@@ -190,7 +190,8 @@ class Sampler:
 
     def _sample_kernel(self, logits, md, penalties, keys):
         batch, vocab = logits.shape
-        work = torch.empty_like(logits)
+        # The processed logits are written out only when the caller wants them (logprobs_mode processed).
+        work = torch.empty_like(logits) if md.need_processed else torch.empty(1)
         tokens = torch.empty(batch, dtype=torch.int64)
         none = torch.full((batch,), -1, dtype=torch.int64)
         temperature = torch.zeros(batch) if md.all_greedy else md.temperature.clone()
@@ -220,12 +221,12 @@ class Sampler:
             freq[md.penalty_rows] = md.frequency
             pres[md.penalty_rows] = md.presence
         keys = keys if keys is not None else torch.zeros(batch, 2, dtype=torch.int64)
-        args = [logits, work, batch, vocab, temperature, min_p, top_k.to(torch.int64), top_p, keys, allowed,
+        args = [logits, work, int(md.need_processed), batch, vocab, temperature, min_p, top_k.to(torch.int64), top_p, keys, allowed,
                 allowed_row, ban_offsets, ban_tokens, bias_offsets, bias_tokens, bias_values, prompt_mask, counts,
                 penalty_row, rep, freq, pres, tokens]
         args = [a if isinstance(a, int) else a.contiguous() for a in args]  # kept alive through the call
         self.lib.sample_rows(*[a if isinstance(a, int) else a.data_ptr() for a in args])
-        return tokens, work
+        return tokens, work if md.need_processed else None
 
     def _sample_torch(self, logits, md, keys):
         batch, vocab = logits.shape
