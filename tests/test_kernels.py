@@ -46,10 +46,11 @@ def test_model_output_same_with_and_without_kernel(tiny_models):
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 33, 64])
-def test_block_linear_matches_dequantized_reference(rows):
+@pytest.mark.parametrize("width", [96, 448])  # 448: the GEMM's slices of K (192) with a tail
+def test_block_linear_matches_dequantized_reference(rows, width):
     g = torch.Generator().manual_seed(rows)
-    w = torch.randn(200, 96, generator=g)  # 200 weight rows: groups of 24 and tiles of 6 with tails
-    x = torch.randn(rows, 96, generator=g)
+    w = torch.randn(200, width, generator=g)  # 200 weight rows: groups of 24 and tiles of 6 with tails
+    x = torch.randn(rows, width, generator=g)
     for blocks, dequant in [(kernels.quantize_q4(w), kernels.dequantize_q4),
                             (kernels.quantize_q8(w), kernels.dequantize_q8)]:
         ref = x @ dequant(*blocks).T

@@ -8,6 +8,7 @@
 #include <stdint.h>
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 static inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -137,6 +138,9 @@ void rms_norm_f32(const float *x, const float *w, float *out, int64_t rows, int6
  * step no longer fits the cache. */
 #define TILE_COLS 6 /* weight rows per tile (tile16x6) */
 #define NG 24       /* weight rows dequantized per group */
+#ifndef KC
+#define KC 192      /* the slice of K one pass of tiles covers */
+#endif
 
 static void dequant_q4_rows(const uint8_t *qw, const uint16_t *d, const uint16_t *mn, int64_t n0, int64_t rows,
                             int64_t K, float *buf) {
@@ -176,21 +180,16 @@ static void dequant_q8_rows(const int8_t *qw, const uint16_t *d, int64_t n0, int
     }
 }
 
-static inline void store_tile_vec(__m256 acc, float *out, int64_t i0, int64_t n, int64_t M, int64_t N) {
-    float lanes[8];
-    _mm256_storeu_ps(lanes, acc);
-    for (int l = 0; l < 8 && i0 + l < M; l++) out[(i0 + l) * N + n] = lanes[l];
-}
-
-/* out[i0 .. i0 + 16, n .. n + 6] (rows below M) from xT (K, Mp) and 6 float32 weight rows w (6, K);
- * the 12 accumulators are named so that they stay in registers. */
-static void tile16x6(const float *xT, int64_t Mp, int64_t i0, const float *w, int64_t K, float *out, int64_t n,
-                     int64_t M, int64_t N) {
-    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c03 = c00, c04 = c00, c05 = c00;
-    __m256 c10 = c00, c11 = c00, c12 = c00, c13 = c00, c14 = c00, c15 = c00;
+/* acc (6, 16) += a (kc, 16) times 6 float32 weight rows w (rows K apart, kc long): one 16 x 6 tile
+ * of the output over a slice of K; the 12 accumulators are named so that they stay in registers. */
+static void tile16x6(const float *a, const float *w, int64_t K, int64_t kc, float *acc) {
+    __m256 c00 = _mm256_loadu_ps(acc), c01 = _mm256_loadu_ps(acc + 16), c02 = _mm256_loadu_ps(acc + 32);
+    __m256 c03 = _mm256_loadu_ps(acc + 48), c04 = _mm256_loadu_ps(acc + 64), c05 = _mm256_loadu_ps(acc + 80);
+    __m256 c10 = _mm256_loadu_ps(acc + 8), c11 = _mm256_loadu_ps(acc + 24), c12 = _mm256_loadu_ps(acc + 40);
+    __m256 c13 = _mm256_loadu_ps(acc + 56), c14 = _mm256_loadu_ps(acc + 72), c15 = _mm256_loadu_ps(acc + 88);
     const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *w3 = w + 3 * K, *w4 = w + 4 * K, *w5 = w + 5 * K;
-    for (int64_t k = 0; k < K; k++) {
-        const __m256 a0 = _mm256_loadu_ps(xT + k * Mp + i0), a1 = _mm256_loadu_ps(xT + k * Mp + i0 + 8);
+    for (int64_t k = 0; k < kc; k++, a += 16) {
+        const __m256 a0 = _mm256_loadu_ps(a), a1 = _mm256_loadu_ps(a + 8);
         __m256 b = _mm256_broadcast_ss(w0 + k);
         c00 = _mm256_fmadd_ps(a0, b, c00); c10 = _mm256_fmadd_ps(a1, b, c10);
         b = _mm256_broadcast_ss(w1 + k);
@@ -204,51 +203,59 @@ static void tile16x6(const float *xT, int64_t Mp, int64_t i0, const float *w, in
         b = _mm256_broadcast_ss(w5 + k);
         c05 = _mm256_fmadd_ps(a0, b, c05); c15 = _mm256_fmadd_ps(a1, b, c15);
     }
-    const __m256 top[6] = {c00, c01, c02, c03, c04, c05}, bottom[6] = {c10, c11, c12, c13, c14, c15};
-    for (int c = 0; c < 6; c++) {
-        store_tile_vec(top[c], out, i0, n + c, M, N);
-        store_tile_vec(bottom[c], out, i0 + 8, n + c, M, N);
-    }
+    _mm256_storeu_ps(acc, c00); _mm256_storeu_ps(acc + 16, c01); _mm256_storeu_ps(acc + 32, c02);
+    _mm256_storeu_ps(acc + 48, c03); _mm256_storeu_ps(acc + 64, c04); _mm256_storeu_ps(acc + 80, c05);
+    _mm256_storeu_ps(acc + 8, c10); _mm256_storeu_ps(acc + 24, c11); _mm256_storeu_ps(acc + 40, c12);
+    _mm256_storeu_ps(acc + 56, c13); _mm256_storeu_ps(acc + 72, c14); _mm256_storeu_ps(acc + 88, c15);
 }
 
-/* The edges: 8 rows of x (one vector) by one weight row. */
-static void tile8x1(const float *xT, int64_t Mp, int64_t i0, const float *w, int64_t K, float *out, int64_t n,
-                    int64_t M, int64_t N) {
-    __m256 c0 = _mm256_setzero_ps(), c1 = c0;
-    int64_t k = 0;
-    for (; k + 2 <= K; k += 2) {
-        c0 = _mm256_fmadd_ps(_mm256_loadu_ps(xT + k * Mp + i0), _mm256_broadcast_ss(w + k), c0);
-        c1 = _mm256_fmadd_ps(_mm256_loadu_ps(xT + (k + 1) * Mp + i0), _mm256_broadcast_ss(w + k + 1), c1);
+/* acc (16) += a (kc, 16) times one weight row: the columns left over when N is not a multiple of 6. */
+static void tile16x1(const float *a, const float *w, int64_t kc, float *acc) {
+    __m256 c0 = _mm256_loadu_ps(acc), c1 = _mm256_loadu_ps(acc + 8);
+    for (int64_t k = 0; k < kc; k++, a += 16) {
+        const __m256 b = _mm256_broadcast_ss(w + k);
+        c0 = _mm256_fmadd_ps(_mm256_loadu_ps(a), b, c0);
+        c1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + 8), b, c1);
     }
-    for (; k < K; k++) c0 = _mm256_fmadd_ps(_mm256_loadu_ps(xT + k * Mp + i0), _mm256_broadcast_ss(w + k), c0);
-    store_tile_vec(_mm256_add_ps(c0, c1), out, i0, n, M, N);
+    _mm256_storeu_ps(acc, c0);
+    _mm256_storeu_ps(acc + 8, c1);
 }
 
 /* y (M, N) = x (M, K) W^T with W as 4-bit blocks (mn != NULL) or 8-bit blocks (mn == NULL). */
 void block_gemm_f32(const float *x, const void *qw, const uint16_t *d, const uint16_t *mn, float *out, int64_t M,
                     int64_t K, int64_t N) {
-    const int64_t Mp = (M + 15) / 16 * 16;
-    float *xT = calloc((size_t)(K * Mp), sizeof(float)); /* x transposed, rows padded with zeros */
+    const int64_t Mp = (M + 15) / 16 * 16, panels = Mp / 16;
+    /* x transposed in panels of 16 rows, each (K, 16) and contiguous, rows past M zero */
+    float *xT = calloc((size_t)(K * Mp), sizeof(float));
     for (int64_t i = 0; i < M; i++)
-        for (int64_t k = 0; k < K; k++) xT[k * Mp + i] = x[i * K + k];
+        for (int64_t k = 0; k < K; k++) xT[(i / 16) * K * 16 + k * 16 + i % 16] = x[i * K + k];
     const int64_t groups = (N + NG - 1) / NG;
 #pragma omp parallel
     {
         float *buf = malloc(sizeof(float) * (size_t)(NG * K));
+        float *acc = malloc(sizeof(float) * (size_t)(panels * NG * 16)); /* (panel, column, 16 rows) */
 #pragma omp for schedule(dynamic, 4)
         for (int64_t g = 0; g < groups; g++) {
             const int64_t n0 = g * NG, rows = N - n0 < NG ? N - n0 : NG;
             if (mn) dequant_q4_rows(qw, d, mn, n0, rows, K, buf);
             else dequant_q8_rows(qw, d, n0, rows, K, buf);
-            for (int64_t i0 = 0; i0 < Mp; i0 += 16) {
-                int64_t j = 0;
-                for (; j + TILE_COLS <= rows; j += TILE_COLS) tile16x6(xT, Mp, i0, buf + j * K, K, out, n0 + j, M, N);
-                for (; j < rows; j++)
-                    for (int64_t i = i0; i < i0 + 16 && i < M; i += 8)
-                        tile8x1(xT, Mp, i, buf + j * K, K, out, n0 + j, M, N);
+            memset(acc, 0, sizeof(float) * (size_t)(panels * NG * 16));
+            /* Slices of K small enough that a panel's slice and 6 weight rows' slices stay in L1. */
+            for (int64_t k0 = 0; k0 < K; k0 += KC) {
+                const int64_t kc = K - k0 < KC ? K - k0 : KC;
+                for (int64_t p = 0; p < panels; p++) {
+                    const float *a = xT + p * K * 16 + k0 * 16;
+                    float *ap = acc + p * NG * 16;
+                    int64_t j = 0;
+                    for (; j + TILE_COLS <= rows; j += TILE_COLS) tile16x6(a, buf + j * K + k0, K, kc, ap + j * 16);
+                    for (; j < rows; j++) tile16x1(a, buf + j * K + k0, kc, ap + j * 16);
+                }
             }
+            for (int64_t i = 0; i < M; i++)
+                for (int64_t j = 0; j < rows; j++) out[i * N + n0 + j] = acc[((i / 16) * NG + j) * 16 + i % 16];
         }
         free(buf);
+        free(acc);
     }
     free(xT);
 }
