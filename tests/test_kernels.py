@@ -15,7 +15,7 @@ def test_kernel_builds_where_a_compiler_exists():
     assert lib is not None, "a C compiler is installed but the decode-attention kernel did not build"
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 16), (8, 2, 24)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 16), (8, 2, 24), (16, 2, 40)])
 def test_decode_attention_matches_reference(num_heads, num_kv_heads, head_dim):
     g = torch.Generator().manual_seed(0)
     batch, num_slots, max_ctx = 6, 500, 90

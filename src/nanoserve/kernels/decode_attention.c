@@ -17,27 +17,42 @@ static inline __m256 sum8x8(const __m256 *v) {
     return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-/* One (sequence, KV head) task with head_dim a multiple of 8, vectorized: scores of 8 keys at a time,
- * softmax with the vectorizable exp, and each head's output kept in registers 64 values at a time
- * while its value rows stream past. */
+/* One (sequence, KV head) task with head_dim a multiple of 8, vectorized. Every key and value row is
+ * read from memory once for all the query heads of its group: scores are computed 8 keys at a time for
+ * each head while those 8 rows sit in L1, and the output is accumulated for up to 3 heads x 32 dims
+ * (12 registers) while the value rows stream past. */
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS 16
+#endif
+
 static void attend_vec(const float *qh, const float *kbase, const float *vbase, const int64_t *seq_slots,
                        int64_t ctx, int64_t group, int64_t D, float scale, float *scores, float *oh) {
-    for (int64_t g = 0; g < group; g++) {
-        const float *qg = qh + g * D;
-        float *s = scores + g * ctx;
-        for (int64_t t0 = 0; t0 < ctx; t0 += 8) {
+    for (int64_t t0 = 0; t0 < ctx; t0 += 8) {
+        const float *krow[8];
+        for (int r = 0; r < 8; r++) krow[r] = t0 + r < ctx ? kbase + seq_slots[t0 + r] * D : NULL;
+        /* Cache blocks are pages of their own, where the hardware prefetcher stops: ask for the rows
+         * PREFETCH_ROWS ahead, keys and values. */
+        for (int64_t t = t0 + PREFETCH_ROWS; t < t0 + PREFETCH_ROWS + 8 && t < ctx; t++)
+            for (int64_t d = 0; d < D; d += 16) {
+                _mm_prefetch((const char *)(kbase + seq_slots[t] * D + d), _MM_HINT_T0);
+                _mm_prefetch((const char *)(vbase + seq_slots[t] * D + d), _MM_HINT_T1);
+            }
+        for (int64_t g = 0; g < group; g++) {
+            const float *qg = qh + g * D;
             __m256 acc[8];
             for (int r = 0; r < 8; r++) {
                 acc[r] = _mm256_setzero_ps();
-                if (t0 + r >= ctx) continue;
-                const float *krow = kbase + seq_slots[t0 + r] * D;
+                if (!krow[r]) continue;
                 for (int64_t d = 0; d < D; d += 8)
-                    acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(krow + d), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(krow[r] + d), acc[r]);
             }
             float dots[8];
             _mm256_storeu_ps(dots, _mm256_mul_ps(sum8x8(acc), _mm256_set1_ps(scale)));
-            for (int r = 0; r < 8 && t0 + r < ctx; r++) s[t0 + r] = dots[r];
+            for (int r = 0; r < 8 && t0 + r < ctx; r++) scores[g * ctx + t0 + r] = dots[r];
         }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float *s = scores + g * ctx;
         float max_score = s[0], sum = 0.f;
         for (int64_t t = 1; t < ctx; t++) max_score = s[t] > max_score ? s[t] : max_score;
         for (int64_t t = 0; t < ctx; t++) {
@@ -46,20 +61,46 @@ static void attend_vec(const float *qh, const float *kbase, const float *vbase, 
         }
         const float inv = 1.f / sum;
         for (int64_t t = 0; t < ctx; t++) s[t] *= inv;
-        for (int64_t d0 = 0; d0 < D; d0 += 64) {
-            const int64_t nv = (D - d0 < 64 ? D - d0 : 64) / 8;
-            __m256 o[8];
-            for (int j = 0; j < 8; j++) o[j] = _mm256_setzero_ps();
-            for (int64_t t = 0; t < ctx; t++) {
-                const __m256 p = _mm256_set1_ps(s[t]);
-                const float *vrow = vbase + seq_slots[t] * D + d0;
-                if (nv == 8) {
-                    for (int j = 0; j < 8; j++) o[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vrow + 8 * j), o[j]);
-                } else {
-                    for (int j = 0; j < nv; j++) o[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vrow + 8 * j), o[j]);
+    }
+    for (int64_t g0 = 0; g0 < group; g0 += 3) {
+        const int64_t gn = group - g0 < 3 ? group - g0 : 3;
+        for (int64_t d0 = 0; d0 < D; d0 += 32) {
+            const int64_t nv = (D - d0 < 32 ? D - d0 : 32) / 8;
+            __m256 o[3][4];
+            for (int g = 0; g < 3; g++)
+                for (int j = 0; j < 4; j++) o[g][j] = _mm256_setzero_ps();
+            if (gn == 3 && nv == 4) { /* the common case, fully unrolled */
+                const float *s0 = scores + g0 * ctx, *s1 = s0 + ctx, *s2 = s1 + ctx;
+                __m256 o00 = o[0][0], o01 = o00, o02 = o00, o03 = o00, o10 = o00, o11 = o00, o12 = o00;
+                __m256 o13 = o00, o20 = o00, o21 = o00, o22 = o00, o23 = o00;
+                for (int64_t t = 0; t < ctx; t++) { /* 12 accumulators, 3 weights, 1 value vector */
+                    const float *vrow = vbase + seq_slots[t] * D + d0;
+                    const __m256 p0 = _mm256_broadcast_ss(s0 + t), p1 = _mm256_broadcast_ss(s1 + t);
+                    const __m256 p2 = _mm256_broadcast_ss(s2 + t);
+                    __m256 v = _mm256_loadu_ps(vrow);
+                    o00 = _mm256_fmadd_ps(p0, v, o00); o10 = _mm256_fmadd_ps(p1, v, o10); o20 = _mm256_fmadd_ps(p2, v, o20);
+                    v = _mm256_loadu_ps(vrow + 8);
+                    o01 = _mm256_fmadd_ps(p0, v, o01); o11 = _mm256_fmadd_ps(p1, v, o11); o21 = _mm256_fmadd_ps(p2, v, o21);
+                    v = _mm256_loadu_ps(vrow + 16);
+                    o02 = _mm256_fmadd_ps(p0, v, o02); o12 = _mm256_fmadd_ps(p1, v, o12); o22 = _mm256_fmadd_ps(p2, v, o22);
+                    v = _mm256_loadu_ps(vrow + 24);
+                    o03 = _mm256_fmadd_ps(p0, v, o03); o13 = _mm256_fmadd_ps(p1, v, o13); o23 = _mm256_fmadd_ps(p2, v, o23);
+                }
+                o[0][0] = o00; o[0][1] = o01; o[0][2] = o02; o[0][3] = o03;
+                o[1][0] = o10; o[1][1] = o11; o[1][2] = o12; o[1][3] = o13;
+                o[2][0] = o20; o[2][1] = o21; o[2][2] = o22; o[2][3] = o23;
+            } else {
+                for (int64_t t = 0; t < ctx; t++) {
+                    const float *vrow = vbase + seq_slots[t] * D + d0;
+                    for (int64_t g = 0; g < gn; g++) {
+                        const __m256 p = _mm256_set1_ps(scores[(g0 + g) * ctx + t]);
+                        for (int64_t j = 0; j < nv; j++)
+                            o[g][j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vrow + 8 * j), o[g][j]);
+                    }
                 }
             }
-            for (int j = 0; j < nv; j++) _mm256_storeu_ps(oh + g * D + d0 + 8 * j, o[j]);
+            for (int64_t g = 0; g < gn; g++)
+                for (int64_t j = 0; j < nv; j++) _mm256_storeu_ps(oh + (g0 + g) * D + d0 + 8 * j, o[g][j]);
         }
     }
 }
