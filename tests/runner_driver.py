@@ -14,9 +14,10 @@ from nanoserve.sampling_params import SamplingParams
 
 class RunnerDriver:
     def __init__(self, path: str, dtype: str = "float32", block_size: int = 16, num_blocks: int = 256,
-                 prefix_caching: bool = True, model=None, use_kernels: bool = True):
+                 prefix_caching: bool = True, model=None, use_kernels: bool = True,
+                 kv_dtype: torch.dtype = torch.float32):
         self.config, model = (model.config, model) if model is not None else build_model(path, dtype)
-        self.runner = ModelRunner(model, num_blocks, block_size, use_kernels=use_kernels)
+        self.runner = ModelRunner(model, num_blocks, block_size, use_kernels=use_kernels, kv_dtype=kv_dtype)
         self.bm = BlockManager(num_blocks, block_size, prefix_caching)
         self._n = 0
 

@@ -35,6 +35,9 @@ class CacheConfig:
     num_blocks: Optional[int] = None
     kv_cache_memory: int = 2 << 30
     enable_prefix_caching: bool = True
+    # "auto" / "float32": keys and values as computed; "float16": half the memory and half the bytes
+    # each decode step reads, at float16 precision (llama.cpp's default cache type).
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,18 @@ from nanoserve.sample.penalties import PenaltyState
 from nanoserve.sample.sampler import Sampler
 
 
-KV_DTYPE = torch.float32  # activations and KV stay float32 whatever the weights' dtype
+# Activations stay float32 whatever the weights' dtype; the KV cache is float32 unless asked otherwise.
+KV_CACHE_DTYPES = {"auto": torch.float32, "float32": torch.float32, "float16": torch.float16}
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * block_size * KV_DTYPE.itemsize
+def kv_cache_dtype(name: str) -> torch.dtype:
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {name!r}")
+    return KV_CACHE_DTYPES[name]
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype = torch.float32) -> int:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * block_size * dtype.itemsize
 
 
 def gather_logprobs(logits: torch.Tensor, chosen: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
@@ -38,7 +45,7 @@ def gather_logprobs(logits: torch.Tensor, chosen: torch.Tensor, num_top: list[in
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, seed: int = 0,
-                 use_kernels: bool = True, logprobs_mode: str = "raw"):
+                 use_kernels: bool = True, logprobs_mode: str = "raw", kv_dtype: torch.dtype = torch.float32):
         if logprobs_mode not in ("raw", "processed"):
             raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
         self.logprobs_mode = logprobs_mode
@@ -46,7 +53,7 @@ class ModelRunner:
         self.config = model.config
         self.block_size = block_size
         cfg = self.config
-        self.kv_caches = [KVCache(cfg.num_kv_heads, num_blocks * block_size, cfg.head_dim, KV_DTYPE)
+        self.kv_caches = [KVCache(cfg.num_kv_heads, num_blocks * block_size, cfg.head_dim, kv_dtype)
                           for _ in range(cfg.num_layers)]
         self.sampler = Sampler(torch.Generator().manual_seed(seed), use_kernels=use_kernels)
         self.kernel_lib = kernels.load() if use_kernels else None

@@ -24,13 +24,13 @@ _HEADERS = [os.path.join(_DIR, "vec_math.h")]
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 # Every exported kernel (all return void) and its arguments: pointers, int64 sizes, float scalars.
 _SIGNATURES = {
-    "decode_attention_f32": [_ptr] * 6 + [_i64] * 6 + [_f32],
+    "decode_attention_f32": [_ptr] * 6 + [_i64] * 7 + [_f32],
     "q4_linear_f32": [_ptr] * 5 + [_i64] * 3,
     "q8_linear_f32": [_ptr] * 4 + [_i64] * 3,
     "block_gemm_f32": [_ptr] * 5 + [_i64] * 3,
     "rms_norm_f32": [_ptr] * 3 + [_i64] * 2 + [_f32],
     "silu_mul_f32": [_ptr] * 2 + [_i64] * 2,
-    "rope_write_kv_f32": [_ptr, _i64, _ptr, _i64] + [_ptr] * 5 + [_i64] * 5,
+    "rope_write_kv_f32": [_ptr, _i64, _ptr, _i64] + [_ptr] * 5 + [_i64] * 6,
     "sample_rows": [_ptr, _ptr, _i64, _i64, _i64] + [_ptr] * 19,
 }
 _lib: Optional[ctypes.CDLL] = None
@@ -72,13 +72,16 @@ def load() -> Optional[ctypes.CDLL]:
 
 def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slots: torch.Tensor, ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: (B, H, D) float32; caches (KVH, S, D); slots (B, T) int64; ctx_lens (B,) int64."""
+    """q: (B, H, D) float32; caches (KVH, S, D) float32, or float16 with D a multiple of 8; slots (B, T)
+    int64; ctx_lens (B,) int64."""
+    f16 = k_cache.dtype == torch.float16
+    assert k_cache.dtype in (torch.float32, torch.float16) and (not f16 or q.shape[-1] % 8 == 0)
     q = q.contiguous()
     batch, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
     lib.decode_attention_f32(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
                              ctx_lens.data_ptr(), out.data_ptr(), batch, num_heads, k_cache.shape[0],
-                             head_dim, k_cache.shape[1], slots.shape[1], scale)
+                             head_dim, k_cache.shape[1], slots.shape[1], int(f16), scale)
     return out
 
 
@@ -158,12 +161,13 @@ def rope_write_kv(lib: ctypes.CDLL, qkv: torch.Tensor, num_heads: int, num_kv_he
                   cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slots: torch.Tensor) -> None:
     """qkv: (T, (H + 2 KVH) D) float32 with contiguous rows (q heads, k heads, v heads): rotates q and k
-    in place with cos, sin (T, D) and writes k and v into the caches (KVH, num_slots, D) at `slots`."""
+    in place with cos, sin (T, D) and writes k and v into the caches (KVH, num_slots, D) at `slots`, float32
+    or float16."""
     assert qkv.stride(1) == 1 and cos.is_contiguous() and sin.is_contiguous() and slots.is_contiguous()
     v_offset = (num_heads + num_kv_heads) * head_dim * qkv.element_size()
     lib.rope_write_kv_f32(qkv.data_ptr(), qkv.stride(0), qkv.data_ptr() + v_offset, qkv.stride(0), cos.data_ptr(),
                           sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), qkv.shape[0],
-                          num_heads, num_kv_heads, head_dim, k_cache.shape[1])
+                          num_heads, num_kv_heads, head_dim, k_cache.shape[1], int(k_cache.dtype == torch.float16))
 
 
 def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

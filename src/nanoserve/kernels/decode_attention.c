@@ -1,5 +1,6 @@
 /* Paged decode attention on the CPU: one query token per sequence attends to its whole context,
- * reading keys and values straight from the paged KV cache (no gathered copy). Float32 only.
+ * reading keys and values straight from the paged KV cache (no gathered copy). q and out are float32;
+ * the cache is float32, or float16 (kv_f16, head_dim a multiple of 8), widened as it is read.
  * q: (B, H, D); k_cache, v_cache: (KVH, num_slots, D); slots: (B, max_ctx) cache slot of each
  * position; ctx_lens: (B,); out: (B, H, D). Heads of one KV group are consecutive (H = KVH * G). */
 #include <immintrin.h>
@@ -25,26 +26,38 @@ static inline __m256 sum8x8(const __m256 *v) {
 #define PREFETCH_ROWS 16
 #endif
 
-static void attend_vec(const float *qh, const float *kbase, const float *vbase, const int64_t *seq_slots,
-                       int64_t ctx, int64_t group, int64_t D, float scale, float *scores, float *oh) {
+/* 8 cache values at element offset i as floats: float32 as is, float16 widened (F16C). */
+static inline __m256 load_kv(const void *base, int64_t i, int f16) {
+    return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i)))
+               : _mm256_loadu_ps((const float *)base + i);
+}
+
+static inline const char *kv_addr(const void *base, int64_t i, int f16) {
+    return (const char *)base + i * (f16 ? 2 : 4);
+}
+
+/* Inlined into two copies, float32 and float16 cache (f16 a constant in each). */
+static inline __attribute__((always_inline)) void attend_vec(
+        const float *qh, const void *kbase, const void *vbase, const int64_t *seq_slots, int64_t ctx, int64_t group,
+        int64_t D, float scale, float *scores, float *oh, int f16) {
     for (int64_t t0 = 0; t0 < ctx; t0 += 8) {
-        const float *krow[8];
-        for (int r = 0; r < 8; r++) krow[r] = t0 + r < ctx ? kbase + seq_slots[t0 + r] * D : NULL;
+        int64_t krow[8]; /* element offsets of the 8 key rows, -1 past the context */
+        for (int r = 0; r < 8; r++) krow[r] = t0 + r < ctx ? seq_slots[t0 + r] * D : -1;
         /* Cache blocks are pages of their own, where the hardware prefetcher stops: ask for the rows
          * PREFETCH_ROWS ahead, keys and values. */
         for (int64_t t = t0 + PREFETCH_ROWS; t < t0 + PREFETCH_ROWS + 8 && t < ctx; t++)
-            for (int64_t d = 0; d < D; d += 16) {
-                _mm_prefetch((const char *)(kbase + seq_slots[t] * D + d), _MM_HINT_T0);
-                _mm_prefetch((const char *)(vbase + seq_slots[t] * D + d), _MM_HINT_T1);
+            for (int64_t d = 0; d < D; d += f16 ? 32 : 16) {
+                _mm_prefetch(kv_addr(kbase, seq_slots[t] * D + d, f16), _MM_HINT_T0);
+                _mm_prefetch(kv_addr(vbase, seq_slots[t] * D + d, f16), _MM_HINT_T1);
             }
         for (int64_t g = 0; g < group; g++) {
             const float *qg = qh + g * D;
             __m256 acc[8];
             for (int r = 0; r < 8; r++) {
                 acc[r] = _mm256_setzero_ps();
-                if (!krow[r]) continue;
+                if (krow[r] < 0) continue;
                 for (int64_t d = 0; d < D; d += 8)
-                    acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(krow[r] + d), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), load_kv(kbase, krow[r] + d, f16), acc[r]);
             }
             float dots[8];
             _mm256_storeu_ps(dots, _mm256_mul_ps(sum8x8(acc), _mm256_set1_ps(scale)));
@@ -74,16 +87,16 @@ static void attend_vec(const float *qh, const float *kbase, const float *vbase, 
                 __m256 o00 = o[0][0], o01 = o00, o02 = o00, o03 = o00, o10 = o00, o11 = o00, o12 = o00;
                 __m256 o13 = o00, o20 = o00, o21 = o00, o22 = o00, o23 = o00;
                 for (int64_t t = 0; t < ctx; t++) { /* 12 accumulators, 3 weights, 1 value vector */
-                    const float *vrow = vbase + seq_slots[t] * D + d0;
+                    const int64_t vrow = seq_slots[t] * D + d0;
                     const __m256 p0 = _mm256_broadcast_ss(s0 + t), p1 = _mm256_broadcast_ss(s1 + t);
                     const __m256 p2 = _mm256_broadcast_ss(s2 + t);
-                    __m256 v = _mm256_loadu_ps(vrow);
+                    __m256 v = load_kv(vbase, vrow, f16);
                     o00 = _mm256_fmadd_ps(p0, v, o00); o10 = _mm256_fmadd_ps(p1, v, o10); o20 = _mm256_fmadd_ps(p2, v, o20);
-                    v = _mm256_loadu_ps(vrow + 8);
+                    v = load_kv(vbase, vrow + 8, f16);
                     o01 = _mm256_fmadd_ps(p0, v, o01); o11 = _mm256_fmadd_ps(p1, v, o11); o21 = _mm256_fmadd_ps(p2, v, o21);
-                    v = _mm256_loadu_ps(vrow + 16);
+                    v = load_kv(vbase, vrow + 16, f16);
                     o02 = _mm256_fmadd_ps(p0, v, o02); o12 = _mm256_fmadd_ps(p1, v, o12); o22 = _mm256_fmadd_ps(p2, v, o22);
-                    v = _mm256_loadu_ps(vrow + 24);
+                    v = load_kv(vbase, vrow + 24, f16);
                     o03 = _mm256_fmadd_ps(p0, v, o03); o13 = _mm256_fmadd_ps(p1, v, o13); o23 = _mm256_fmadd_ps(p2, v, o23);
                 }
                 o[0][0] = o00; o[0][1] = o01; o[0][2] = o02; o[0][3] = o03;
@@ -91,11 +104,11 @@ static void attend_vec(const float *qh, const float *kbase, const float *vbase, 
                 o[2][0] = o20; o[2][1] = o21; o[2][2] = o22; o[2][3] = o23;
             } else {
                 for (int64_t t = 0; t < ctx; t++) {
-                    const float *vrow = vbase + seq_slots[t] * D + d0;
+                    const int64_t vrow = seq_slots[t] * D + d0;
                     for (int64_t g = 0; g < gn; g++) {
                         const __m256 p = _mm256_set1_ps(scores[(g0 + g) * ctx + t]);
                         for (int64_t j = 0; j < nv; j++)
-                            o[g][j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vrow + 8 * j), o[g][j]);
+                            o[g][j] = _mm256_fmadd_ps(p, load_kv(vbase, vrow + 8 * j, f16), o[g][j]);
                     }
                 }
             }
@@ -105,10 +118,11 @@ static void attend_vec(const float *qh, const float *kbase, const float *vbase, 
     }
 }
 
-void decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
+void decode_attention_f32(const float *q, const void *k_cache_any, const void *v_cache_any,
                           const int64_t *slots, const int64_t *ctx_lens, float *out,
                           int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                          int64_t num_slots, int64_t max_ctx, float scale) {
+                          int64_t num_slots, int64_t max_ctx, int64_t kv_f16, float scale) {
+    const float *k_cache = k_cache_any, *v_cache = v_cache_any; /* the scalar path: float32 only */
     const int64_t group = num_heads / num_kv_heads;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t task = 0; task < batch * num_kv_heads; task++) {
@@ -120,8 +134,13 @@ void decode_attention_f32(const float *q, const float *k_cache, const float *v_c
         float *scores = malloc(sizeof(float) * group * ctx);  /* (G, ctx) */
         const float *qh = q + (b * num_heads + kvh * group) * head_dim;  /* (G, D) */
         if (head_dim % 8 == 0) {
-            attend_vec(qh, kbase, vbase, seq_slots, ctx, group, head_dim, scale, scores,
-                       out + (b * num_heads + kvh * group) * head_dim);
+            float *oh = out + (b * num_heads + kvh * group) * head_dim;
+            const int64_t head_off = kvh * num_slots * head_dim;
+            if (kv_f16)
+                attend_vec(qh, (const uint16_t *)k_cache_any + head_off, (const uint16_t *)v_cache_any + head_off,
+                           seq_slots, ctx, group, head_dim, scale, scores, oh, 1);
+            else
+                attend_vec(qh, kbase, vbase, seq_slots, ctx, group, head_dim, scale, scores, oh, 0);
             free(scores);
             continue;
         }

@@ -1,6 +1,7 @@
 /* The elementwise steps of a decoder layer, each one pass over its rows instead of several PyTorch
  * ops: SiLU(gate) * up for the MLP, and rotary embedding of q and k in place plus the write of the new
  * keys and values into the paged KV cache. */
+#include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -19,10 +20,23 @@ void silu_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I) {
 /* qk: T rows (row stride qk_stride floats) of num_heads query heads then num_kv_heads key heads of D
  * floats, rotated in place with cos, sin (T, D) in the rotate-half convention (element i pairs with
  * i + D/2). Then each token's key heads and value heads (v, row stride v_stride) are copied into the
- * caches (KVH, num_slots, D) at slots[t]. */
+ * caches (KVH, num_slots, D) at slots[t], float32 or (kv_f16) float16. */
+/* D floats to a cache row: copied (float32 cache) or narrowed to float16, rounding to nearest. */
+static inline void store_row(void *cache, int64_t row, const float *x, int64_t D, int f16) {
+    if (!f16) {
+        memcpy((float *)cache + row * D, x, sizeof(float) * (size_t)D);
+        return;
+    }
+    uint16_t *o = (uint16_t *)cache + row * D;
+    int64_t i = 0;
+    for (; i + 8 <= D; i += 8)
+        _mm_storeu_si128((__m128i *)(o + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < D; i++) o[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
+}
+
 void rope_write_kv_f32(float *qk, int64_t qk_stride, const float *v, int64_t v_stride, const float *cos,
-                       const float *sin, float *k_cache, float *v_cache, const int64_t *slots, int64_t T,
-                       int64_t num_heads, int64_t num_kv_heads, int64_t D, int64_t num_slots) {
+                       const float *sin, void *k_cache, void *v_cache, const int64_t *slots, int64_t T,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t D, int64_t num_slots, int64_t kv_f16) {
     const int64_t half = D / 2;
 #pragma omp parallel for schedule(static) if (T > 16)
     for (int64_t t = 0; t < T; t++) {
@@ -34,10 +48,9 @@ void rope_write_kv_f32(float *qk, int64_t qk_stride, const float *v, int64_t v_s
                 x[i] = a * c[i] - b * s[i];
                 x[i + half] = b * c[i + half] + a * s[i + half];
             }
-            if (h >= num_heads)
-                memcpy(k_cache + ((h - num_heads) * num_slots + slots[t]) * D, x, sizeof(float) * (size_t)D);
+            if (h >= num_heads) store_row(k_cache, (h - num_heads) * num_slots + slots[t], x, D, (int)kv_f16);
         }
         for (int64_t h = 0; h < num_kv_heads; h++)
-            memcpy(v_cache + (h * num_slots + slots[t]) * D, v + t * v_stride + h * D, sizeof(float) * (size_t)D);
+            store_row(v_cache, h * num_slots + slots[t], v + t * v_stride + h * D, D, (int)kv_f16);
     }
 }

@@ -151,7 +151,8 @@ class AttentionMetadata:
 
 class KVCache:
     """One layer's paged keys and values, laid out (KVH, num_slots, D) so that gathering the slots of a
-    batch of sequences yields (KVH, B, T, D), ready for batched matmuls without another copy."""
+    batch of sequences yields (KVH, B, T, D), ready for batched matmuls without another copy. Stored as
+    float32 or float16; attention always computes in float32."""
 
     def __init__(self, num_kv_heads: int, num_slots: int, head_dim: int, dtype: torch.dtype):
         self.k = torch.zeros(num_kv_heads, num_slots, head_dim, dtype=dtype)
@@ -167,12 +168,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     group = num_heads // num_kv_heads
     # NOTE: index_copy_/index_select on a flat index are several times faster than advanced indexing.
     if not cached:
-        cache.k.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        cache.v.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        cache.k.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(cache.k.dtype))
+        cache.v.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(cache.v.dtype))
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
 
     nd = meta.num_decodes
-    if nd and meta.kernel_lib is not None:
+    if nd and meta.kernel_lib is not None and (cache.k.dtype == torch.float32 or head_dim % 8 == 0):
         out[:nd] = kernels.decode_attention(meta.kernel_lib, q[:nd], cache.k, cache.v,
                                             meta.decode_slots, meta.decode_ctx_lens, scale)
     elif nd:
@@ -180,8 +181,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
         qd = q[:nd].reshape(nd, num_kv_heads, group, head_dim).transpose(0, 1)
         shape = (num_kv_heads, nd, meta.decode_slots.shape[1], head_dim)
         flat = meta.decode_slots.view(-1)
-        keys = torch.index_select(cache.k, 1, flat).view(shape)  # (KVH, Bd, Tmax, D)
-        values = torch.index_select(cache.v, 1, flat).view(shape)
+        keys = torch.index_select(cache.k, 1, flat).view(shape).float()  # (KVH, Bd, Tmax, D)
+        values = torch.index_select(cache.v, 1, flat).view(shape).float()
         scores = torch.matmul(qd, keys.transpose(-1, -2)).float() * scale  # (KVH, Bd, G, Tmax)
         probs = torch.softmax(scores + meta.decode_bias, dim=-1).to(values.dtype)
         out[:nd] = torch.matmul(probs, values).transpose(0, 1).reshape(nd, num_heads, head_dim)
@@ -193,8 +194,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
             kp = k[rows].transpose(0, 1).unsqueeze(0)
             vp = v[rows].transpose(0, 1).unsqueeze(0)
         else:
-            kp = torch.index_select(cache.k, 1, seq.slots).unsqueeze(0)  # (1, KVH, ctx, D)
-            vp = torch.index_select(cache.v, 1, seq.slots).unsqueeze(0)
+            kp = torch.index_select(cache.k, 1, seq.slots).unsqueeze(0).float()  # (1, KVH, ctx, D)
+            vp = torch.index_select(cache.v, 1, seq.slots).unsqueeze(0).float()
         o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=seq.mask, is_causal=seq.mask is None,
                                            scale=scale, enable_gqa=group > 1)
         out[rows] = o[0].transpose(0, 1)

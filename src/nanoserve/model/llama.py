@@ -30,7 +30,7 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
-        if meta.kernel_lib is not None and not self.qk_norm and cache.k.dtype == torch.float32:
+        if meta.kernel_lib is not None and not self.qk_norm and cache.k.dtype in (torch.float32, torch.float16):
             # One C pass: rotary on q and k in place, k and v written to the cache.
             kernels.rope_write_kv(meta.kernel_lib, qkv, self.num_heads, self.num_kv_heads, self.head_dim,
                                   meta.rope_cos, meta.rope_sin, cache.k, cache.v, meta.slot_mapping)
