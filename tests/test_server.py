@@ -332,6 +332,18 @@ def test_metrics(server):
     assert server.metric("nanoserve:prefix_cache_hits") > 0  # repeated prompts above hit the cache
 
 
+def test_bench_serve_load_generator(server):
+    """`nanoserve bench serve`'s client against this server: every request streams its full output."""
+    from nanoserve.bench.serve import run
+
+    report = asyncio.run(run(server.url, None, concurrency=3, num_prompts=4, input_len=20, output_len=8,
+                             ban={0: -100, 2: -100}))
+    assert report["requests"] == 4 and report["failed"] == 0, report["errors"]
+    assert report["output_tok_per_s"] * report["wall_s"] == pytest.approx(4 * 8)
+    assert 0 < report["ttft_p50"] <= report["ttft_p99"] and report["itl_p50"] > 0
+    assert 0 <= report["engine_idle_share"] <= 1
+
+
 def test_sigterm_drains_in_flight_requests(server):
     result = {}
 

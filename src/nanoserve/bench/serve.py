@@ -1,7 +1,8 @@
 """`nanoserve bench serve --url URL`: an async load generator for any OpenAI-compatible server.
 Streams `/v1/completions` with random prompts of a given length and a fixed output length (EOS ignored
 and banned), `--concurrency` requests in flight, and reports requests/s, output tokens/s, time to first
-token and inter-token latency (p50/p99); for nanoserve also the engine core's idle share."""
+token and inter-token latency (p50/p99); for nanoserve also the engine core's idle share. The client is
+aiohttp, light on CPU: on a small machine the load generator shares the cores with the server."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-import httpx
+import aiohttp
 
 WORDS = ("time year people way day man thing woman life child world school state family student group "
          "country problem hand part place case week company system program question work government "
@@ -37,7 +38,7 @@ def make_prompt(rng: random.Random, input_len: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(input_len))
 
 
-async def one_request(http: httpx.AsyncClient, url: str, model: Optional[str], prompt: str, output_len: int,
+async def one_request(http: aiohttp.ClientSession, url: str, model: Optional[str], prompt: str, output_len: int,
                       ban: dict) -> Result:
     body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True,
             "ignore_eos": True, "min_tokens": output_len, "logit_bias": ban,
@@ -47,10 +48,11 @@ async def one_request(http: httpx.AsyncClient, url: str, model: Optional[str], p
     start = time.perf_counter()
     result, last, chunks = Result(ok=True), None, 0
     try:
-        async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                return Result(ok=False, error=f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-            async for line in r.aiter_lines():
+        async with http.post(f"{url}/v1/completions", json=body) as r:
+            if r.status != 200:
+                return Result(ok=False, error=f"HTTP {r.status}: {(await r.read())[:200]!r}")
+            async for raw in r.content:  # one SSE line at a time
+                line = raw.decode().rstrip("\r\n")
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 payload = json.loads(line[6:])
@@ -65,7 +67,7 @@ async def one_request(http: httpx.AsyncClient, url: str, model: Optional[str], p
                 else:
                     result.gaps.append(now - last)
                 last = now
-    except httpx.HTTPError as exc:
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         return Result(ok=False, error=repr(exc))
     result.output_tokens = result.output_tokens or chunks
     return result
@@ -78,10 +80,11 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
-async def engine_idle_seconds(http: httpx.AsyncClient, url: str) -> Optional[float]:
+async def engine_idle_seconds(http: aiohttp.ClientSession, url: str) -> Optional[float]:
     try:
-        text = (await http.get(f"{url}/metrics")).text
-    except httpx.HTTPError:
+        async with http.get(f"{url}/metrics") as r:
+            text = await r.text()
+    except (aiohttp.ClientError, asyncio.TimeoutError):
         return None
     for line in text.splitlines():
         if line.startswith("nanoserve:engine_idle_seconds "):
@@ -94,7 +97,8 @@ async def run(url: str, model: Optional[str], concurrency: int, num_prompts: int
     rng = random.Random(seed)
     prompts = [make_prompt(rng, input_len) for _ in range(num_prompts)]
     semaphore = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=concurrency + 8)) as http:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
+                                     connector=aiohttp.TCPConnector(limit=concurrency + 8)) as http:
         async def limited(p):
             async with semaphore:
                 return await one_request(http, url, model, p, output_len, ban)
