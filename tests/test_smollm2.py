@@ -170,3 +170,30 @@ def test_float16_kv_cache_halves_memory_and_keeps_greedy_output_close(smollm_llm
         assert same >= 16, (a, b)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         _engine(smollm_llm, kv_cache_dtype="int4")
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_fused_decode_layers_equal_layer_by_layer(smollm_llm, prompt_ids, kv_dtype, monkeypatch):
+    """Decode steps run each layer as one C call (kernels/decode_layer.c) with the same kernels in the
+    same order as the layer-by-layer forward: the logits are identical, for steps of up to 8 rows (the
+    streaming block kernel) and more (the block GEMM)."""
+    from nanoserve.model.llama import DecoderLayer
+
+    model = smollm_llm.engine.runner.model
+    fused_rows = []
+    original = DecoderLayer.forward_decode
+    monkeypatch.setattr(DecoderLayer, "forward_decode",
+                        lambda self, x, *a: (fused_rows.append(x.shape[0]), original(self, x, *a))[1])
+    for seqs in (prompt_ids[:3], prompt_ids + prompt_ids):
+        plen = [len(s) - 6 for s in seqs]  # the last 6 tokens of each as decode steps
+        runs = []
+        for fused in (True, False):
+            model.fuse_decode_layers = fused
+            try:
+                driver = RunnerDriver("", model=model, num_blocks=128, kv_dtype=kv_dtype)
+                runs.append(driver.run(seqs, prefill_chunk=1000, prefill_len=plen))
+            finally:
+                del model.fuse_decode_layers  # back to the class default (on)
+        for a, b in zip(*runs):
+            assert torch.equal(a, b)
+    assert {3, 12} <= set(fused_rows)  # both kernels ran fused

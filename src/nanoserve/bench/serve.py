@@ -98,7 +98,7 @@ async def run(url: str, model: Optional[str], concurrency: int, num_prompts: int
     prompts = [make_prompt(rng, input_len) for _ in range(num_prompts)]
     semaphore = asyncio.Semaphore(concurrency)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
-                                     connector=aiohttp.TCPConnector(limit=concurrency + 8)) as http:
+                                     connector=aiohttp.TCPConnector(limit=concurrency + 8, force_close=True)) as http:
         async def limited(p):
             async with semaphore:
                 return await one_request(http, url, model, p, output_len, ban)

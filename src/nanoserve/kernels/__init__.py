@@ -19,7 +19,7 @@ from nanoserve.cache import cache_dir
 logger = logging.getLogger(__name__)
 _DIR = os.path.dirname(__file__)
 _SOURCES = [os.path.join(_DIR, name)
-            for name in ("decode_attention.c", "block_linear.c", "elementwise.c", "sampling.c")]
+            for name in ("decode_attention.c", "block_linear.c", "elementwise.c", "sampling.c", "decode_layer.c")]
 _HEADERS = [os.path.join(_DIR, "vec_math.h")]
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 # Every exported kernel (all return void) and its arguments: pointers, int64 sizes, float scalars.
@@ -32,6 +32,8 @@ _SIGNATURES = {
     "silu_mul_f32": [_ptr] * 2 + [_i64] * 2,
     "rope_write_kv_f32": [_ptr, _i64, _ptr, _i64] + [_ptr] * 5 + [_i64] * 6,
     "sample_rows": [_ptr, _ptr, _i64, _i64, _i64] + [_ptr] * 19,
+    "decode_layer_f32": [_ptr] + [_i64] * 6 + [_ptr] * 2 + [_f32] + [_ptr] * 5 + [_i64] * 2 + [_ptr] * 3
+                        + [_i64, _f32, _ptr],
 }
 _lib: Optional[ctypes.CDLL] = None
 _tried = False

@@ -2,6 +2,8 @@
 a flat batch of tokens from many sequences in, hidden states of the positions to sample out."""
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -69,10 +71,38 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self._block_pointers = None
 
     def forward(self, x, rope, cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), rope, cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x), meta.kernel_lib)
+
+    def block_pointers(self):
+        """The 4 projections' block tensors as a C array of 12 pointers, or None when the layer cannot
+        run as one C call (a projection without blocks or with a bias, q/k norms)."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if attn.qk_norm or any(p.blocks is None or p.bias is not None for p in linears):
+            return None
+        if self._block_pointers is None or self._block_pointers[0] is not linears[0].blocks:
+            ptrs = []
+            for p in linears:
+                ptrs += [p.blocks[0].data_ptr(), p.blocks[1].data_ptr(),
+                         p.blocks[2].data_ptr() if len(p.blocks) == 3 else None]
+            self._block_pointers = (linears[0].blocks, (ctypes.c_void_p * 12)(*ptrs))
+        return self._block_pointers[1]
+
+    def forward_decode(self, x: torch.Tensor, cache: KVCache, meta: AttentionMetadata, work: torch.Tensor) -> None:
+        """The whole layer for a decode-only step in one C call (kernels/decode_layer.c), updating the
+        residual stream x in place; the same kernels in the same order as `forward`."""
+        attn, cfg = self.self_attn, (x.shape[0], x.shape[1], self.mlp.intermediate)
+        meta.kernel_lib.decode_layer_f32(
+            x.data_ptr(), *cfg, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+            self.input_layernorm.weight.data_ptr(), self.post_attention_layernorm.weight.data_ptr(),
+            self.input_layernorm.eps, self.block_pointers(), meta.rope_cos.data_ptr(), meta.rope_sin.data_ptr(),
+            cache.k.data_ptr(), cache.v.data_ptr(), cache.k.shape[1], int(cache.k.dtype == torch.float16),
+            meta.slot_mapping.data_ptr(), meta.decode_slots.data_ptr(), meta.decode_ctx_lens.data_ptr(),
+            meta.decode_slots.shape[1], attn.scale, work.data_ptr())
 
 
 class LlamaForCausalLM(nn.Module):
@@ -91,10 +121,30 @@ class LlamaForCausalLM(nn.Module):
         """input_ids: (T,). Returns float32 logits (len(logits_indices), vocab)."""
         meta.rope_cos, meta.rope_sin = self.rope.lookup(meta.positions)
         x = self.embed_tokens(input_ids).float()
-        for layer, cache in zip(self.layers, caches):
-            x = layer(x, self.rope, cache, meta)
+        if self._fused_decode(meta, x, caches):
+            cfg = self.config
+            width = (cfg.hidden_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+                     + 2 * cfg.num_heads * cfg.head_dim + 3 * cfg.intermediate_size)
+            work = torch.empty(x.shape[0] * width)
+            x = x.contiguous()
+            for layer, cache in zip(self.layers, caches):
+                layer.forward_decode(x, cache, meta, work)
+        else:
+            for layer, cache in zip(self.layers, caches):
+                x = layer(x, self.rope, cache, meta)
         x = self.norm(x[logits_indices])
         return self.lm_head(x).float()
+
+    fuse_decode_layers = True  # tests turn it off to compare with the layer-by-layer path
+
+    def _fused_decode(self, meta: AttentionMetadata, x: torch.Tensor, caches: list[KVCache]) -> bool:
+        """Whether this step runs each layer as one C call: decode rows only, few enough for the block
+        kernels, every layer on blocks, a float32 or float16 cache and head_dim a multiple of 8."""
+        rows = x.shape[0]
+        return (self.fuse_decode_layers and meta.kernel_lib is not None and meta.num_decodes == rows
+                and 0 < rows <= Linear.BLOCK_GEMM_MAX_ROWS and not meta.prefills
+                and self.config.head_dim % 8 == 0 and caches[0].k.dtype in (torch.float32, torch.float16)
+                and all(layer.block_pointers() is not None for layer in self.layers))
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Copies weights under Hugging Face names, fusing q/k/v and gate/up; raises KeyError naming
