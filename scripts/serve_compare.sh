@@ -1,5 +1,6 @@
 #!/bin/bash
-# Side-by-side serving benchmark: nanoserve (1 and 2 API servers) and llama-cpp-python's server, one
+# Side-by-side serving benchmark: nanoserve (1 and 2 API servers; float32 and, as llama.cpp keeps it,
+# float16 KV cache), llama-cpp-python's server and llama.cpp's llama-server, one
 # at a time on this machine, same GGUF, same load. Optional, both kept outside this repository:
 # LLAMA_CPP_PYTHON, the python of a venv with llama-cpp-python[server]; LLAMA_SERVER, the llama-server
 # binary built from that package's vendored llama.cpp.
@@ -9,6 +10,10 @@ wait_up() { for i in $(seq 120); do curl -sf "$1" >/dev/null && return 0; sleep 
 .venv/bin/nanoserve serve --port 8021 > /tmp/bench-nano.log 2>&1 &
 wait_up http://127.0.0.1:8021/health
 .venv/bin/nanoserve bench serve --url http://127.0.0.1:8021 --concurrency 1,8,32 --label "nanoserve (1 API server)"
+pkill -f "nanoserve serve --port 8021"; sleep 3
+.venv/bin/nanoserve serve --port 8021 --kv-cache-dtype float16 > /tmp/bench-nano16.log 2>&1 &
+wait_up http://127.0.0.1:8021/health
+.venv/bin/nanoserve bench serve --url http://127.0.0.1:8021 --concurrency 32 --label "nanoserve (float16 KV cache)"
 pkill -f "nanoserve serve --port 8021"; sleep 3
 .venv/bin/nanoserve serve --port 8022 --api-server-count 2 > /tmp/bench-nano2.log 2>&1 &
 wait_up http://127.0.0.1:8022/health
