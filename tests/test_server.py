@@ -363,8 +363,10 @@ def test_sigterm_drains_in_flight_requests(server):
 
 @pytest.fixture(scope="module")
 def guarded_server():
+    # Also the float16 KV cache through the command line: greedy streamed and non-streamed text agree.
     proc = ServerProcess("--api-key", "k1", "--api-key", "k2", "--max-num-seqs", "1",
-                         "--max-waiting-requests", "1", "--reasoning-parser", "deepseek_r1")
+                         "--max-waiting-requests", "1", "--reasoning-parser", "deepseek_r1",
+                         "--kv-cache-dtype", "float16")
     yield proc
     proc.stop()
 
