@@ -195,6 +195,7 @@ def error_of(response, status):
     ({"prompt": "x", "temperature": 5}, "temperature"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
     ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 129, "temperature": 1}, "n"),
     ({"prompt": "x", "logprobs": 50}, "logprobs"),
     ({"prompt": "x", "max_tokens": "lots"}, "max_tokens"),
     ({"prompt": "x", "logit_bias": {"999999": 5}}, None),

@@ -14,6 +14,9 @@ class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+MAX_N = 128  # completions per request, OpenAI's own limit: each one holds a sequence in the engine
+
+
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -49,6 +52,8 @@ class SamplingFields(OpenAIModel):
 
     def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
                         default_max_tokens: Optional[int]) -> SamplingParams:
+        if isinstance(self.n, int) and self.n > MAX_N:
+            raise ValueError(f"n must be at most {MAX_N}, got {self.n}")
         bias = None
         if self.logit_bias:
             try:
