@@ -171,3 +171,18 @@ def test_two_stop_strings_at_the_same_start_the_shorter_wins():
     for include, text in [(True, "a"), (False, "")]:
         deltas, detok = stream(ids, SamplingParams(stop=["aa", "a"], include_stop_str_in_output=include))
         assert "".join(deltas) == text and detok.stop_reason == "a"
+
+
+def test_api_server_side_never_imports_torch(smollm_tokenizer, smollm_path):
+    """An API-server process loads the app and the model's (cached, converted) tokenizer without
+    importing torch: ~300 MB less per process."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import nanoserve.entrypoints.openai.api_server\n"
+            "from nanoserve.frontend.tokenizer import load_tokenizer\n"
+            "tok = load_tokenizer(sys.argv[1])\n"
+            "assert tok.encode('Hello world')\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    subprocess.run([sys.executable, "-c", code, smollm_path], check=True, timeout=120)

@@ -10,19 +10,24 @@ import time
 import msgspec
 
 from nanoserve.cache import cache_dir, file_key
-from nanoserve.model.loader import ModelLoadError
+from nanoserve.errors import ModelLoadError
 from nanoserve.protocol import EngineCoreRequest
 
 
 def load_tokenizer(model_path: str):
-    from transformers import AutoTokenizer
-
     try:
+        cache = os.path.join(cache_dir("tokenizers"), f"{os.path.basename(model_path)}-{file_key(model_path)}")
+        if not os.path.isdir(model_path) and os.path.isfile(os.path.join(cache, "tokenizer.json")):
+            # NOTE: our converted GGUF tokenizer is always a fast tokenizer. Loading it by its class
+            # skips AutoTokenizer, whose config machinery imports torch: ~300 MB and ~2 s of start-up
+            # in every API-server process, which never runs a tensor op.
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(cache)
+        from transformers import AutoTokenizer
+
         if os.path.isdir(model_path):
             return AutoTokenizer.from_pretrained(model_path)
-        cache = os.path.join(cache_dir("tokenizers"), f"{os.path.basename(model_path)}-{file_key(model_path)}")
-        if os.path.isfile(os.path.join(cache, "tokenizer.json")):
-            return AutoTokenizer.from_pretrained(cache)
         tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(model_path)),
                                             gguf_file=os.path.basename(model_path))
     except Exception as exc:

@@ -14,6 +14,7 @@ import torch
 
 from nanoserve.cache import cache_dir, file_key
 from nanoserve.config import ModelConfig
+from nanoserve.errors import ModelLoadError  # noqa: F401  (raised here, imported from here by callers)
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -34,10 +35,6 @@ _GGUF_LAYER_NAMES = {
     "ffn_norm": "post_attention_layernorm",
 }
 _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
-
-class ModelLoadError(RuntimeError):
-    """A model could not be loaded; the message names the file and the reason."""
 
 
 def default_model_path() -> str:
