@@ -84,12 +84,12 @@ class DecoderLayer(nn.Module):
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if attn.qk_norm or any(p.blocks is None or p.bias is not None for p in linears):
             return None
-        if self._block_pointers is None or self._block_pointers[0] is not linears[0].blocks:
+        blocks = tuple(p.blocks for p in linears)  # kept with the pointers: rebuilt if any is replaced
+        if self._block_pointers is None or any(a is not b for a, b in zip(self._block_pointers[0], blocks)):
             ptrs = []
-            for p in linears:
-                ptrs += [p.blocks[0].data_ptr(), p.blocks[1].data_ptr(),
-                         p.blocks[2].data_ptr() if len(p.blocks) == 3 else None]
-            self._block_pointers = (linears[0].blocks, (ctypes.c_void_p * 12)(*ptrs))
+            for b in blocks:
+                ptrs += [b[0].data_ptr(), b[1].data_ptr(), b[2].data_ptr() if len(b) == 3 else None]
+            self._block_pointers = (blocks, (ctypes.c_void_p * 12)(*ptrs))
         return self._block_pointers[1]
 
     def forward_decode(self, x: torch.Tensor, cache: KVCache, meta: AttentionMetadata, work: torch.Tensor) -> None:
