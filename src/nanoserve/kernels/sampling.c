@@ -35,20 +35,24 @@ static inline float gumbel_key(float x, uint32_t k0, uint32_t k1, uint32_t token
 
 typedef struct { float v; int32_t i; } Entry;
 
+static inline float max8(__m256 v) {
+    float lanes[8], m = -INFINITY;
+    _mm256_storeu_ps(lanes, v);
+    for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
+    return m;
+}
+
 static float row_max(const float *x, int64_t n) {
     __m256 mv = _mm256_set1_ps(-INFINITY);
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(x + i));
-    float lanes[8], m = -INFINITY;
-    _mm256_storeu_ps(lanes, mv);
-    for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
+    float m = max8(mv);
     for (; i < n; i++) m = x[i] > m ? x[i] : m;
     return m;
 }
 
-/* The first index of the maximum (as torch.argmax); 0 when every value is -inf. */
-static int64_t argmax(const float *x, int64_t n) {
-    const float m = row_max(x, n);
+/* The first index of the value m (the row's maximum), 0 if absent (every value -inf). */
+static int64_t first_index_of(const float *x, int64_t n, float m) {
     const __m256 mv = _mm256_set1_ps(m);
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
@@ -59,6 +63,9 @@ static int64_t argmax(const float *x, int64_t n) {
         if (x[i] == m) return i;
     return 0;
 }
+
+/* The first index of the maximum, as torch.argmax. */
+static int64_t argmax(const float *x, int64_t n) { return first_index_of(x, n, row_max(x, n)); }
 
 /* Gumbel keys are at most GUMBEL_MAX (-log(-log(1 - 2^-24)) = 16.64, plus slack for fast_logf), so a
  * token whose logit is more than that below some token's key can never win the race: the race only
@@ -79,11 +86,11 @@ __attribute__((constructor)) static void build_pack_lut(void) {
     }
 }
 
-/* The race over a whole row: the tokens above the floor are packed (ids and values) into the scratch
+/* The race over a whole row (max m): the tokens above the floor are packed (ids and values) into the scratch
  * arrays, then their keys are computed in one vectorizable loop. Ties go to the lower token id, as a
  * scan in order would. */
-static int64_t race_all(const float *x, int64_t n, uint32_t k0, uint32_t k1, int32_t *ids, float *vals) {
-    const int64_t top = argmax(x, n);
+static int64_t race_all(const float *x, int64_t n, float m, uint32_t k0, uint32_t k1, int32_t *ids, float *vals) {
+    const int64_t top = first_index_of(x, n, m);
     const float floor = gumbel_key(x[top], k0, k1, (uint32_t)top) - GUMBEL_MAX;
     const __m256 fv = _mm256_set1_ps(floor);
     __m256i iv = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -150,8 +157,8 @@ static float kth_largest(const float *x, int64_t n, int64_t k, float *heap) {
     return heap[0];
 }
 
-/* Appends to cand the tokens with x >= lo (lo > -inf) and returns their count; adds exp(x - m) of each
- * to *mass. */
+/* Appends to cand the tokens with x >= lo (lo > -inf) and returns their count; when mass is given,
+ * adds exp(x - m) of each to it. */
 static int64_t collect(const float *x, int64_t n, float lo, float m, Entry *cand, double *mass) {
     const __m256 lv = _mm256_set1_ps(lo);
     int64_t nc = 0, i = 0;
@@ -165,9 +172,11 @@ static int64_t collect(const float *x, int64_t n, float lo, float m, Entry *cand
     }
     for (; i < n; i++)
         if (x[i] >= lo) { cand[nc].v = x[i]; cand[nc++].i = (int32_t)i; }
-    double s = 0.0;
-    for (int64_t j = 0; j < nc; j++) s += fast_expf(cand[j].v - m);
-    *mass += s;
+    if (mass) {
+        double s = 0.0;
+        for (int64_t j = 0; j < nc; j++) s += fast_expf(cand[j].v - m);
+        *mass += s;
+    }
     return nc;
 }
 
@@ -234,9 +243,7 @@ static float scale_max(float *x, const float *src, int64_t n, float t) {
         _mm256_storeu_ps(x + i, v);
         mv = _mm256_max_ps(mv, v);
     }
-    float lanes[8], m = -INFINITY;
-    _mm256_storeu_ps(lanes, mv);
-    for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
+    float m = max8(mv);
     for (; i < n; i++) {
         x[i] = src[i] / t;
         m = x[i] > m ? x[i] : m;
@@ -321,10 +328,9 @@ void sample_rows(const float *logits, float *work, int64_t write_work, int64_t B
                 nk = top_p_keep(x, V, m, fmaxf(lo, -FLT_MAX), top_p[b], cand);
                 tokens[b] = race_candidates(cand, nk, k0, k1);
             } else if (lo > -INFINITY) {
-                double mass = 0.0;
-                tokens[b] = race_candidates(cand, collect(x, V, lo, m, cand, &mass), k0, k1);
+                tokens[b] = race_candidates(cand, collect(x, V, lo, m, cand, NULL), k0, k1);
             } else {
-                tokens[b] = race_all(x, V, k0, k1, (int32_t *)cand, heap);
+                tokens[b] = race_all(x, V, m, k0, k1, (int32_t *)cand, heap);
             }
             if (!write_work) continue;
             if (nk >= 0) { /* drop everything, then put the kept values back */
