@@ -18,13 +18,7 @@ static inline __m256 sum8x8(const __m256 *v) {
     return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-/* One (sequence, KV head) task with head_dim a multiple of 8, vectorized. Every key and value row is
- * read from memory once for all the query heads of its group: scores are computed 8 keys at a time for
- * each head while those 8 rows sit in L1, and the output is accumulated for up to 3 heads x 32 dims
- * (12 registers) while the value rows stream past. */
-#ifndef PREFETCH_ROWS
-#define PREFETCH_ROWS 16
-#endif
+#define PREFETCH_ROWS 16 /* how far ahead attend_vec asks for key and value rows (8-48 measured alike) */
 
 /* 8 cache values at element offset i as floats: float32 as is, float16 widened (F16C). */
 static inline __m256 load_kv(const void *base, int64_t i, int f16) {
@@ -36,7 +30,11 @@ static inline const char *kv_addr(const void *base, int64_t i, int f16) {
     return (const char *)base + i * (f16 ? 2 : 4);
 }
 
-/* Inlined into two copies, float32 and float16 cache (f16 a constant in each). */
+/* One (sequence, KV head) task with head_dim a multiple of 8, vectorized. Every key and value row is
+ * read from memory once for all the query heads of its group: scores are computed 8 keys at a time for
+ * each head while those 8 rows sit in L1, and the output is accumulated for up to 3 heads x 32 dims
+ * (12 registers) while the value rows stream past.
+ * Inlined into two copies, float32 and float16 cache (f16 a constant in each). */
 static inline __attribute__((always_inline)) void attend_vec(
         const float *qh, const void *kbase, const void *vbase, const int64_t *seq_slots, int64_t ctx, int64_t group,
         int64_t D, float scale, float *scores, float *oh, int f16) {

@@ -95,9 +95,9 @@ class DecoderLayer(nn.Module):
     def forward_decode(self, x: torch.Tensor, cache: KVCache, meta: AttentionMetadata, work: torch.Tensor) -> None:
         """The whole layer for a decode-only step in one C call (kernels/decode_layer.c), updating the
         residual stream x in place; the same kernels in the same order as `forward`."""
-        attn, cfg = self.self_attn, (x.shape[0], x.shape[1], self.mlp.intermediate)
+        attn, rows_hidden_inter = self.self_attn, (x.shape[0], x.shape[1], self.mlp.intermediate)
         meta.kernel_lib.decode_layer_f32(
-            x.data_ptr(), *cfg, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+            x.data_ptr(), *rows_hidden_inter, attn.num_heads, attn.num_kv_heads, attn.head_dim,
             self.input_layernorm.weight.data_ptr(), self.post_attention_layernorm.weight.data_ptr(),
             self.input_layernorm.eps, self.block_pointers(), meta.rope_cos.data_ptr(), meta.rope_sin.data_ptr(),
             cache.k.data_ptr(), cache.v.data_ptr(), cache.k.shape[1], int(cache.k.dtype == torch.float16),
@@ -125,7 +125,7 @@ class LlamaForCausalLM(nn.Module):
             cfg = self.config
             width = (cfg.hidden_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
                      + 2 * cfg.num_heads * cfg.head_dim + 3 * cfg.intermediate_size)
-            work = torch.empty(x.shape[0] * width)
+            work = torch.empty(x.shape[0] * width)  # the layer's scratch, as decode_layer_f32 lays it out
             x = x.contiguous()
             for layer, cache in zip(self.layers, caches):
                 layer.forward_decode(x, cache, meta, work)
