@@ -52,7 +52,7 @@ class SamplingFields(OpenAIModel):
 
     def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
                         default_max_tokens: Optional[int]) -> SamplingParams:
-        if isinstance(self.n, int) and self.n > MAX_N:
+        if self.n > MAX_N:
             raise ValueError(f"n must be at most {MAX_N}, got {self.n}")
         bias = None
         if self.logit_bias:
