@@ -15,9 +15,10 @@ from nanoserve.sampling_params import SamplingParams
 class RunnerDriver:
     def __init__(self, path: str, dtype: str = "float32", block_size: int = 16, num_blocks: int = 256,
                  prefix_caching: bool = True, model=None, use_kernels: bool = True,
-                 kv_dtype: torch.dtype = torch.float32):
+                 kv_dtype: torch.dtype = torch.float32, int8_activations: bool = False):
         self.config, model = (model.config, model) if model is not None else build_model(path, dtype)
-        self.runner = ModelRunner(model, num_blocks, block_size, use_kernels=use_kernels, kv_dtype=kv_dtype)
+        self.runner = ModelRunner(model, num_blocks, block_size, use_kernels=use_kernels, kv_dtype=kv_dtype,
+                                  int8_activations=int8_activations)
         self.bm = BlockManager(num_blocks, block_size, prefix_caching)
         self._n = 0
 
@@ -32,7 +33,7 @@ class RunnerDriver:
         sched = SchedulerOutput([r for r, _ in work], [n for _, n in work])
         input_ids, meta, *_ = self.runner.prepare(sched)
         rows = torch.arange(len(input_ids))
-        logits = self.runner.model(input_ids, meta, self.runner.kv_caches, rows)
+        logits = self.runner.run_model(input_ids, meta, rows)
         out, start = [], 0
         for req, n in work:
             out.append(logits[start:start + n])

@@ -71,6 +71,49 @@ def test_block_linear_matches_dequantized_reference(rows, width):
         assert (dequant(*blocks) - w).abs().max() < w.abs().max() / (14 if len(blocks) == 3 else 250)
 
 
+def _quantize_activations_reference(x: torch.Tensor) -> torch.Tensor:
+    """x as int8_gemm.c quantizes it, back in float: per block of 32, q = round(x / (s * dx)) with dx
+    the row's maximum / (127 * 32767) and s the block's integer scale."""
+    rows, width = x.shape
+    blocks = x.reshape(rows, width // 32, 32)
+    amax = blocks.abs().amax(-1)  # (rows, nb)
+    dx = amax.amax(-1, keepdim=True) / (127.0 * 32767.0)
+    s = torch.ceil(amax / (127.0 * dx)).clamp(1, 32767)
+    step = s * dx
+    q = torch.round(blocks * (1.0 / step).unsqueeze(-1))
+    return (q * step.unsqueeze(-1)).reshape(rows, width)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 64, 70])
+@pytest.mark.parametrize("width", [64, 576])
+def test_int8_activation_gemm_is_the_product_with_quantized_x(rows, width):
+    """q4_gemm_i8 (kernels/int8_gemm.c) equals x quantized to 8 bits per block times the dequantized
+    4-bit weight, up to float32 summation, and stays within ~1% of the exact product."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(101, width, generator=g) * 0.05 + 0.01  # 101 rows: groups of 24, tiles of 2 with tails
+    x = torch.randn(rows, width, generator=g)
+    x[:, 7] *= 40  # an outlier channel, as real activations have
+    blocks = kernels.quantize_q4(w)
+    weight = kernels.dequantize_q4(*blocks).double()
+    out = kernels.q4_gemm_i8(lib, x, blocks)
+    ref = (_quantize_activations_reference(x).double() @ weight.T).float()
+    torch.testing.assert_close(out, ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-4)
+    exact = (x.double() @ weight.T).float()
+    assert ((out - exact).norm() / exact.norm()).item() < 0.02
+    assert torch.equal(kernels.q4_gemm_i8(lib, torch.zeros(rows, width), blocks), torch.zeros(rows, 101))
+
+
+def test_int8_activation_gemm_row_does_not_depend_on_its_batch():
+    """Each output comes from the same operations in the same order whether the call has 1 row (the
+    streaming kernel), a few, or more than one 64-row pass of the GEMM."""
+    g = torch.Generator().manual_seed(0)
+    blocks = kernels.quantize_q4(torch.randn(130, 576, generator=g))
+    x = torch.randn(150, 576, generator=g)
+    full = kernels.q4_gemm_i8(lib, x, blocks)
+    for rows in (1, 2, 3, 8, 9, 64, 65, 100):
+        assert torch.equal(kernels.q4_gemm_i8(lib, x[-rows:], blocks), full[-rows:]), rows
+
+
 def test_gguf_style_blocks_round_trip_exactly():
     """A weight made of Q4_1 blocks (d * q + m, q in 0..15) or Q8_0 blocks (d * q, |q| <= 127) comes
     back exactly, which is what lets the default weights use the kernels without changing results."""

@@ -26,8 +26,13 @@ def _engine_args(ap: argparse.ArgumentParser, positional_model: bool = False) ->
     ap.add_argument("--kv-cache-memory", type=float, default=2.0, help="KV cache budget in GiB")
     ap.add_argument("--num-kv-blocks", type=int, default=None, help="fixed KV block count (overrides memory)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16"],
-                    help="KV cache precision: auto = float32 (default); float16 halves its memory and the "
-                         "bytes each decode step reads (llama.cpp's default cache type)")
+                    help="KV cache precision: float16 halves its memory and the bytes each decode step "
+                         "reads (llama.cpp's default cache type); auto (default): float16 where the C "
+                         "kernels run, else float32")
+    ap.add_argument("--activation-dtype", default="float32", choices=["float32", "int8"],
+                    help="float32 (default): exact; int8: quantize activations to 8 bits per block of 32 "
+                         "before the 4-bit layer matrices, as llama.cpp does (faster; ~0.5%% error per "
+                         "product, perplexity +0.1%% on the default model)")
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--logprobs-mode", default="raw", choices=["raw", "processed"])
@@ -48,7 +53,7 @@ def _build_llm(args):
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                block_size=args.block_size, kv_cache_memory=int(args.kv_cache_memory * 2**30),
                num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
-               kv_cache_dtype=args.kv_cache_dtype, seed=args.seed, logprobs_mode=args.logprobs_mode, max_logprobs=args.max_logprobs)
+               kv_cache_dtype=args.kv_cache_dtype, activation_dtype=args.activation_dtype, seed=args.seed, logprobs_mode=args.logprobs_mode, max_logprobs=args.max_logprobs)
 
 
 def _params(args):
@@ -97,8 +102,8 @@ def cmd_serve(args) -> None:
     if args.api_server_count < 1:
         raise ValueError("--api-server-count must be >= 1")
     config = EngineConfig(
-        model=model, dtype=args.dtype, seed=args.seed, logprobs_mode=args.logprobs_mode,
-        max_logprobs=args.max_logprobs,
+        model=model, dtype=args.dtype, activation_dtype=args.activation_dtype, seed=args.seed,
+        logprobs_mode=args.logprobs_mode, max_logprobs=args.max_logprobs,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
                           kv_cache_memory=int(args.kv_cache_memory * 2**30),
                           enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype=args.kv_cache_dtype),

@@ -35,8 +35,9 @@ class CacheConfig:
     num_blocks: Optional[int] = None
     kv_cache_memory: int = 2 << 30
     enable_prefix_caching: bool = True
-    # "auto" / "float32": keys and values as computed; "float16": half the memory and half the bytes
-    # each decode step reads, at float16 precision (llama.cpp's default cache type).
+    # "float32": keys and values as computed; "float16": half the memory and half the bytes each decode
+    # step reads, at float16 precision (llama.cpp's default cache type); "auto": float16 where the C
+    # kernels run, else float32 (engine.model_runner.kv_cache_dtype).
     kv_cache_dtype: str = "auto"
 
 
@@ -51,6 +52,10 @@ class SchedulerConfig:
 class EngineConfig:
     model: str  # path to a .gguf file or a Hugging Face model directory
     dtype: str = "auto"  # see model.registry.WEIGHT_MODES
+    # "float32": exact; "int8": activations quantized to 8 bits per block of 32 before the 4-bit layer
+    # matrices, as llama.cpp runs them (faster, ~0.5% error per product; see
+    # engine.model_runner.use_int8_activations).
+    activation_dtype: str = "float32"
     seed: int = 0
     num_threads: Optional[int] = None
     # "raw": logprobs of the model's distribution (vLLM V1's default); "processed": of the distribution

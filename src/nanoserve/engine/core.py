@@ -12,7 +12,7 @@ import torch
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.block_manager import BlockManager
-from nanoserve.engine.model_runner import ModelRunner, kv_bytes_per_block, kv_cache_dtype
+from nanoserve.engine.model_runner import ModelRunner, kv_bytes_per_block, kv_cache_dtype, use_int8_activations
 from nanoserve.engine.request import Request
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.model.registry import build_model
@@ -52,16 +52,17 @@ class EngineCore:
                                                                sched_cfg.max_model_len)
         self.max_model_len = sched_cfg.max_model_len or self.model_config.max_position_embeddings
         cache = config.cache
-        kv_dtype = kv_cache_dtype(cache.kv_cache_dtype)
+        kv_dtype = kv_cache_dtype(cache.kv_cache_dtype, self.model_config)
         per_block = kv_bytes_per_block(self.model_config, cache.block_size, kv_dtype)
         num_blocks = cache.num_blocks or max(1, cache.kv_cache_memory // per_block)
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched_cfg, self.block_manager)
+        int8 = use_int8_activations(config.activation_dtype, model)
         self.runner = ModelRunner(model, num_blocks, cache.block_size, config.seed,
-                                  logprobs_mode=config.logprobs_mode, kv_dtype=kv_dtype)
+                                  logprobs_mode=config.logprobs_mode, kv_dtype=kv_dtype, int8_activations=int8)
         self.capacity_tokens = num_blocks * cache.block_size
-        logger.info("KV cache: %d blocks of %d tokens (%.0f MiB, %s)", num_blocks, cache.block_size,
-                    num_blocks * per_block / 2**20, kv_dtype)
+        logger.info("KV cache: %d blocks of %d tokens (%.0f MiB, %s); activations: %s", num_blocks,
+                    cache.block_size, num_blocks * per_block / 2**20, kv_dtype, "int8" if int8 else "float32")
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

@@ -9,7 +9,7 @@ from nanoserve import kernels
 from nanoserve.config import ModelConfig
 from nanoserve.engine.request import Request
 from nanoserve.engine.scheduler import SchedulerOutput
-from nanoserve.model.layers import AttentionMetadata, KVCache, PrefillSeq
+from nanoserve.model.layers import AttentionMetadata, KVCache, Linear, PrefillSeq
 from nanoserve.model.llama import LlamaForCausalLM
 from nanoserve.sample.metadata import SamplingMetadata, allowed_token_mask
 from nanoserve.protocol import TokenLogprobs
@@ -17,14 +17,30 @@ from nanoserve.sample.penalties import PenaltyState
 from nanoserve.sample.sampler import Sampler
 
 
-# Activations stay float32 whatever the weights' dtype; the KV cache is float32 unless asked otherwise.
-KV_CACHE_DTYPES = {"auto": torch.float32, "float32": torch.float32, "float16": torch.float16}
+KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
-def kv_cache_dtype(name: str) -> torch.dtype:
+def kv_cache_dtype(name: str, cfg: ModelConfig) -> torch.dtype:
+    """"auto" is float16 where the C attention kernels read it (they are built, head_dim is a multiple
+    of 8): half the memory and half the bytes per decode step, with logits within a KL of ~1e-7 of a
+    float32 cache's on the default model (docs/benchmarks.md). Otherwise float32."""
+    if name == "auto":
+        return torch.float16 if cfg.head_dim % 8 == 0 and kernels.load() is not None else torch.float32
     if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {name!r}")
+        raise ValueError(f"kv_cache_dtype must be one of {['auto', *KV_CACHE_DTYPES]}, got {name!r}")
     return KV_CACHE_DTYPES[name]
+
+
+ACTIVATION_DTYPES = ("float32", "int8")
+
+
+def use_int8_activations(name: str, model: LlamaForCausalLM) -> bool:
+    """Whether `activation_dtype` `name` runs the 4-bit layer matrices on 8-bit activations: "int8"
+    does where the model has 4-bit blocks and the C kernels are built (else it stays float32)."""
+    if name not in ACTIVATION_DTYPES:
+        raise ValueError(f"activation_dtype must be one of {list(ACTIVATION_DTYPES)}, got {name!r}")
+    has_q4 = any(isinstance(m, Linear) and m.blocks is not None and len(m.blocks) == 3 for m in model.modules())
+    return name == "int8" and has_q4 and kernels.load() is not None
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype = torch.float32) -> int:
@@ -45,11 +61,13 @@ def gather_logprobs(logits: torch.Tensor, chosen: torch.Tensor, num_top: list[in
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, seed: int = 0,
-                 use_kernels: bool = True, logprobs_mode: str = "raw", kv_dtype: torch.dtype = torch.float32):
+                 use_kernels: bool = True, logprobs_mode: str = "raw", kv_dtype: torch.dtype = torch.float32,
+                 int8_activations: bool = False):
         if logprobs_mode not in ("raw", "processed"):
             raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
         self.logprobs_mode = logprobs_mode
         self.model = model
+        self.int8_activations = int8_activations  # applied to the model before each step (it may be shared)
         self.config = model.config
         self.block_size = block_size
         cfg = self.config
@@ -59,6 +77,13 @@ class ModelRunner:
         self.kernel_lib = kernels.load() if use_kernels else None
         self.penalties = PenaltyState(cfg.vocab_size)
         self.allowed_masks: dict[str, torch.Tensor] = {}  # request id -> (V,) mask, built once
+
+    def run_model(self, input_ids: torch.Tensor, meta: AttentionMetadata, logits_rows: torch.Tensor) -> torch.Tensor:
+        """The model's forward on this runner's KV cache, with this runner's activation precision (the
+        model may be shared with another runner that uses the other one)."""
+        if self.model.int8_activations != self.int8_activations:
+            self.model.set_int8_activations(self.int8_activations)
+        return self.model(input_ids, meta, self.kv_caches, logits_rows)
 
     def remove_request(self, request_id: str) -> None:
         self.allowed_masks.pop(request_id, None)
@@ -148,7 +173,7 @@ class ModelRunner:
         if prompt_rows:
             extra = [r for _, rows, _ in prompt_rows for r in rows]
             logits_rows = torch.cat([logits_rows, torch.tensor(extra, dtype=torch.long)])
-        logits = self.model(input_ids, meta, self.kv_caches, logits_rows)
+        logits = self.run_model(input_ids, meta, logits_rows)
         if prompt_rows:
             self._prompt_logprobs(sched, logits[num_sample:], prompt_rows)
             logits = logits[:num_sample]

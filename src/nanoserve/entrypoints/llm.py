@@ -31,13 +31,14 @@ class LLM:
     def __init__(self, model: Optional[str] = None, dtype: str = "auto", *, max_model_len: int = 0,
                  max_num_seqs: int = 128, max_num_batched_tokens: int = 2048, block_size: int = 16,
                  kv_cache_memory: int = 2 << 30, num_kv_blocks: Optional[int] = None,
-                 enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto", seed: int = 0,
+                 enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto", activation_dtype: str = "float32",
+                 seed: int = 0,
                  num_threads: Optional[int] = None,
                  logprobs_mode: str = "raw", max_logprobs: int = 20):
         self.model_path = model or default_model_path()
         self.config = EngineConfig(
-            model=self.model_path, dtype=dtype, seed=seed, num_threads=num_threads, logprobs_mode=logprobs_mode,
-            max_logprobs=max_logprobs,
+            model=self.model_path, dtype=dtype, activation_dtype=activation_dtype, seed=seed, num_threads=num_threads,
+            logprobs_mode=logprobs_mode, max_logprobs=max_logprobs,
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                               kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
                               kv_cache_dtype=kv_cache_dtype),

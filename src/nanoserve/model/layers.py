@@ -24,7 +24,11 @@ class Linear(nn.Module):
     groups of weight rows into cache once (measured in a 32-request decode: 1.4x oneDNN's float32
     GEMM over all layers). Larger steps (prefill) use oneDNN's float32 GEMM on its own copy of the
     weight (1.4x PyTorch's default MKL call, 2x on the vocabulary matrix), else PyTorch's. On CPUs
-    without native bfloat16 arithmetic (AVX2) the bfloat16 GEMM is several times slower than float32."""
+    without native bfloat16 arithmetic (AVX2) the bfloat16 GEMM is several times slower than float32.
+
+    `int8_activations` (4-bit blocks only) replaces all of these with integer dot products on x
+    quantized to 8 bits per block of 32, as llama.cpp does: 1.2x faster at 32 rows and in prefill,
+    ~0.5% error per product, and a row's result that does not depend on the step's other rows."""
 
     SMALL_STEP_ROWS = 4
     BLOCKS_MAX_ROWS = 8  # block_linear up to here
@@ -36,6 +40,8 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.blocks: Optional[tuple[torch.Tensor, ...]] = None
         self.onednn_weight: Optional[torch.Tensor] = None
+        # With 4-bit blocks: x quantized to 8 bits per block of 32 for every step (kernels/int8_gemm.c).
+        self.int8_activations = False
 
     def attach_onednn_weight(self) -> None:
         """Adds the oneDNN copy of a float32 weight, where PyTorch was built with oneDNN."""
@@ -45,6 +51,9 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
+        if self.int8_activations and self.blocks is not None and len(self.blocks) == 3 and x.dim() == 2:
+            y = kernels.q4_gemm_i8(kernels.load(), x, self.blocks)
+            return y if self.bias is None else y + self.bias
         if self.blocks is not None and rows <= self.BLOCK_GEMM_MAX_ROWS:
             small = rows <= self.BLOCKS_MAX_ROWS
             y = (kernels.block_linear if small else kernels.block_gemm)(kernels.load(), x, self.blocks)

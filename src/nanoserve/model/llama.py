@@ -102,7 +102,7 @@ class DecoderLayer(nn.Module):
             self.input_layernorm.eps, self.block_pointers(), meta.rope_cos.data_ptr(), meta.rope_sin.data_ptr(),
             cache.k.data_ptr(), cache.v.data_ptr(), cache.k.shape[1], int(cache.k.dtype == torch.float16),
             meta.slot_mapping.data_ptr(), meta.decode_slots.data_ptr(), meta.decode_ctx_lens.data_ptr(),
-            meta.decode_slots.shape[1], attn.scale, work.data_ptr())
+            meta.decode_slots.shape[1], attn.scale, int(attn.qkv_proj.int8_activations), work.data_ptr())
 
 
 class LlamaForCausalLM(nn.Module):
@@ -136,6 +136,17 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(x).float()
 
     fuse_decode_layers = True  # tests turn it off to compare with the layer-by-layer path
+
+    int8_activations = False
+
+    def set_int8_activations(self, enabled: bool) -> None:
+        """Activations quantized to 8 bits before every layer matrix held in 4-bit blocks, in every
+        step (kernels/int8_gemm.c); the vocabulary projection stays float32."""
+        self.int8_activations = enabled
+        for layer in self.layers:
+            for module in layer.modules():
+                if isinstance(module, Linear):
+                    module.int8_activations = enabled
 
     def _fused_decode(self, meta: AttentionMetadata, x: torch.Tensor, caches: list[KVCache]) -> bool:
         """Whether this step runs each layer as one C call: decode rows only, few enough for the block

@@ -1,0 +1,251 @@
+/* y = x W^T with W in 4-bit blocks and x quantized to 8 bits per block of 32, as llama.cpp runs its
+ * 4-bit models: integer dot products (vpmaddubsw, vpmaddwd) replace block_gemm_f32's dequantization
+ * and float multiplies (~1.2x it at 32 rows here). Lossy: each product carries ~0.5% relative error.
+ * Each output is computed by the same operations in the same order whatever the number of rows and
+ * whichever kernel (streaming or GEMM) runs, so a row's result does not depend on its batch. */
+/* No fused a * b + c or reordered sums that one kernel would get and the other not (the build allows both). */
+#pragma GCC optimize("fp-contract=off", "no-associative-math")
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TR 4   /* rows of x per tile */
+#define TC 2   /* weight rows per tile */
+#define NGI 24 /* weight rows unpacked per group: a multiple of TC and of 8 */
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* x quantized: block b of row i is x ~= dx[i] * s * q with q in -127..127 and s an integer in 1..32767,
+ * so a block's scale is nearly as fine as a float's while the product's per-block factor is one integer
+ * multiply (vpmaddwd by s, which also widens to 32 bits). Rows in panels of TR: q as
+ * [panel][block][row][32], s as [panel][block][row][16] (one vector), and each block's sum of q times
+ * its scale in sum[row][block] for the weights' minimum term. Rows past M are zero. */
+typedef struct {
+    int8_t *q;
+    int16_t *s;
+    float *dx, *sum;
+} QuantizedRows;
+
+static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, QuantizedRows *o) {
+    const int64_t nb = K / 32;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    float *amax = malloc(sizeof(float) * (size_t)nb);
+    for (int64_t i = 0; i < Mp; i++) {
+        const int64_t p = i / TR, r = i % TR;
+        const float *xr = x + i * K;
+        float rmax = 0.0f;
+        for (int64_t b = 0; i < M && b < nb; b++) {
+            __m256 m = _mm256_setzero_ps();
+            for (int c = 0; c < 4; c++) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xr + b * 32 + c * 8)));
+            amax[b] = hmax8(m);
+            rmax = amax[b] > rmax ? amax[b] : rmax;
+        }
+        const float dx = rmax / (127.0f * 32767.0f);
+        o->dx[i] = dx;
+        for (int64_t b = 0; b < nb; b++) {
+            int8_t *q = o->q + ((p * nb + b) * TR + r) * 32;
+            int16_t *sv = o->s + ((p * nb + b) * TR + r) * 16;
+            int s = 1;
+            if (i < M && rmax > 0.0f) {
+                s = (int)ceilf(amax[b] / (127.0f * dx));
+                s = s < 1 ? 1 : (s > 32767 ? 32767 : s);
+            }
+            for (int c = 0; c < 16; c++) sv[c] = (int16_t)s;
+            if (i >= M || rmax == 0.0f) {
+                memset(q, 0, 32);
+                o->sum[i * nb + b] = 0.0f;
+                continue;
+            }
+            const __m256 inv = _mm256_set1_ps(1.0f / ((float)s * dx));
+            __m256i w[4];
+            for (int c = 0; c < 4; c++)
+                w[c] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xr + b * 32 + c * 8), inv)); /* nearest */
+            const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(w[0], w[1]), _mm256_packs_epi32(w[2], w[3]));
+            _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(packed, order));
+            /* The minimum term takes the quantized block's sum: the result is then exactly the product
+             * with the quantized x, and its error does not grow with the blocks' offsets m. */
+            __m256i t = _mm256_add_epi32(_mm256_add_epi32(w[0], w[1]), _mm256_add_epi32(w[2], w[3]));
+            __m128i h = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+            o->sum[i * nb + b] = (float)_mm_cvtsi128_si32(h) * (float)s * dx;
+        }
+    }
+    free(amax);
+}
+
+/* out = dx * (the integer part's lanes summed) + (the minimum term): one function for both kernels. */
+static inline float finish(float dx, __m256 acc, float m_term) {
+    return dx * hsum8(acc) + m_term;
+}
+
+/* sum over blocks of m[b] * sum[b], accumulated in block order (each lane of the GEMM's vector version
+ * runs the same sequence of fused multiply-adds). */
+static inline float min_term(const uint16_t *mn, const float *sum, int64_t nb) {
+    float a = 0.0f;
+    for (int64_t b = 0; b < nb; b++) a = fmaf(sum[b], _cvtsh_ss(mn[b]), a);
+    return a;
+}
+
+/* One group's weight rows ready for the tiles: nibbles as bytes 0..15 [row][block][32], d broadcast
+ * [row][block][8], and m transposed [block][NGI] (zero past the group's last row). */
+static void unpack_group(const uint8_t *qw, const uint16_t *d, const uint16_t *mn, int64_t n0, int64_t cols,
+                         int64_t nb, uint8_t *wu, float *dv, float *mt) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    memset(mt, 0, sizeof(float) * (size_t)(nb * NGI));
+    for (int64_t j = 0; j < cols; j++) {
+        const uint8_t *row = qw + (n0 + j) * nb * 16;
+        for (int64_t b = 0; b < nb; b++) {
+            const __m128i by = _mm_loadu_si128((const __m128i *)(row + b * 16));
+            const __m256i both = _mm256_set_m128i(_mm_srli_epi16(by, 4), by); /* weights 0..15, 16..31 */
+            _mm256_store_si256((__m256i *)(wu + (j * nb + b) * 32), _mm256_and_si256(both, low4));
+            _mm256_store_ps(dv + (j * nb + b) * 8, _mm256_set1_ps(_cvtsh_ss(d[(n0 + j) * nb + b])));
+            mt[b * NGI + j] = _cvtsh_ss(mn[(n0 + j) * nb + b]);
+        }
+    }
+}
+
+/* The integer part of TR rows times `tc` (TC or 1) weight rows: acc[r][c] += d * s * (q_w . q_x) per block.
+ * The empty asm statements keep the scales in registers; the compiler otherwise re-reads them from
+ * memory for every product and the loop becomes bound by loads. */
+#define TILE_BODY(tc)                                                                                       \
+    for (int64_t b = 0; b < nb; b++) {                                                                      \
+        __m256i wv[tc];                                                                                     \
+        __m256 dd[tc];                                                                                      \
+        for (int c = 0; c < tc; c++) {                                                                      \
+            wv[c] = _mm256_load_si256((const __m256i *)(wu + ((j + c) * nb + b) * 32));                     \
+            dd[c] = _mm256_load_ps(dv + ((j + c) * nb + b) * 8);                                            \
+            __asm__("" : "+x"(dd[c]), "+x"(wv[c]));                                                         \
+        }                                                                                                   \
+        for (int r = 0; r < TR; r++) {                                                                      \
+            const __m256i xv = _mm256_load_si256((const __m256i *)(qp + (b * TR + r) * 32));                \
+            __m256i sv = _mm256_load_si256((const __m256i *)(sp + (b * TR + r) * 16));                      \
+            __asm__("" : "+x"(sv));                                                                         \
+            for (int c = 0; c < tc; c++) {                                                                  \
+                const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(wv[c], xv), sv);                   \
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), dd[c], acc[r][c]);                       \
+            }                                                                                               \
+        }                                                                                                   \
+    }
+
+/* Rows i0 .. i0 + rows - 1 (i0 a multiple of TR) through the tiles, groups of weight rows in parallel. */
+static void gemm_rows(const QuantizedRows *xq, const uint8_t *qw, const uint16_t *d, const uint16_t *mn, float *out,
+                      int64_t i0, int64_t M, int64_t nb, int64_t N) {
+    const int64_t panels = (M + TR - 1) / TR, groups = (N + NGI - 1) / NGI;
+#pragma omp parallel
+    {
+        uint8_t *wu = aligned_alloc(32, (size_t)(NGI * nb * 32));
+        float *dv = aligned_alloc(32, sizeof(float) * (size_t)(NGI * nb * 8));
+        float *mt = malloc(sizeof(float) * (size_t)(nb * NGI));
+        float *m_terms = malloc(sizeof(float) * (size_t)(M * NGI)); /* [row][col] */
+#pragma omp for schedule(dynamic, 2)
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t n0 = g * NGI, cols = N - n0 < NGI ? N - n0 : NGI;
+            unpack_group(qw, d, mn, n0, cols, nb, wu, dv, mt);
+            /* the minimum term of every output, each lane one weight row (see min_term) */
+            for (int64_t i = 0; i < M; i++) {
+                __m256 a[NGI / 8];
+                for (int v = 0; v < NGI / 8; v++) a[v] = _mm256_setzero_ps();
+                for (int64_t b = 0; b < nb; b++) {
+                    const __m256 s = _mm256_set1_ps(xq->sum[(i0 + i) * nb + b]);
+                    for (int v = 0; v < NGI / 8; v++) a[v] = _mm256_fmadd_ps(s, _mm256_loadu_ps(mt + b * NGI + v * 8), a[v]);
+                }
+                for (int v = 0; v < NGI / 8; v++) _mm256_storeu_ps(m_terms + i * NGI + v * 8, a[v]);
+            }
+            for (int64_t p = 0; p < panels; p++) {
+                const int8_t *qp = xq->q + (i0 / TR + p) * nb * TR * 32;
+                const int16_t *sp = xq->s + (i0 / TR + p) * nb * TR * 16;
+                const int64_t rows = M - p * TR < TR ? M - p * TR : TR;
+                int64_t j = 0;
+                for (; j + TC <= cols; j += TC) {
+                    __m256 acc[TR][TC];
+                    for (int r = 0; r < TR; r++) for (int c = 0; c < TC; c++) acc[r][c] = _mm256_setzero_ps();
+                    TILE_BODY(TC)
+                    for (int64_t r = 0; r < rows; r++)
+                        for (int c = 0; c < TC; c++) {
+                            const int64_t i = p * TR + r;
+                            out[(i0 + i) * N + n0 + j + c] = finish(xq->dx[i0 + i], acc[r][c], m_terms[i * NGI + j + c]);
+                        }
+                }
+                for (; j < cols; j++) {
+                    __m256 acc[TR][1];
+                    for (int r = 0; r < TR; r++) acc[r][0] = _mm256_setzero_ps();
+                    TILE_BODY(1)
+                    for (int64_t r = 0; r < rows; r++) {
+                        const int64_t i = p * TR + r;
+                        out[(i0 + i) * N + n0 + j] = finish(xq->dx[i0 + i], acc[r][0], m_terms[i * NGI + j]);
+                    }
+                }
+            }
+        }
+        free(wu);
+        free(dv);
+        free(mt);
+        free(m_terms);
+    }
+}
+
+/* Up to STREAM_MAX_ROWS rows: each weight row's blocks are read once from memory and used for every row
+ * of x (the step is bound by reading the weights), with the GEMM's operations in the GEMM's order. */
+#define STREAM_MAX_ROWS 2 /* measured: the GEMM is faster from 3 rows */
+static void stream_rows(const QuantizedRows *xq, const uint8_t *qw, const uint16_t *d, const uint16_t *mn, float *out,
+                        int64_t M, int64_t nb, int64_t N) {
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *row = qw + n * nb * 16;
+        __m256 acc[STREAM_MAX_ROWS];
+        for (int64_t i = 0; i < M; i++) acc[i] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const __m128i by = _mm_loadu_si128((const __m128i *)(row + b * 16));
+            const __m256i wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(by, 4), low4), _mm_and_si128(by, low4));
+            const __m256 dd = _mm256_set1_ps(_cvtsh_ss(d[n * nb + b]));
+            for (int64_t i = 0; i < M; i++) {
+                const int64_t off = ((i / TR) * nb + b) * TR + i % TR;
+                const __m256i xv = _mm256_load_si256((const __m256i *)(xq->q + off * 32));
+                const __m256i sv = _mm256_load_si256((const __m256i *)(xq->s + off * 16));
+                const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), sv);
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), dd, acc[i]);
+            }
+        }
+        for (int64_t i = 0; i < M; i++)
+            out[i * N + n] = finish(xq->dx[i], acc[i], min_term(mn + n * nb, xq->sum + i * nb, nb));
+    }
+}
+
+/* Rows of x per pass of the GEMM over the weights: the quantized panel slice stays in L2, and each
+ * pass unpacks the weights again (~2% of the work at 64 rows). */
+#define CHUNK_ROWS 64
+
+/* y (M, N) = x (M, K) W^T with W as 4-bit blocks (see block_linear.c), x quantized per block of 32:
+ * few rows stream the weight blocks (bound by memory), more rows go through the tiled GEMM. */
+void q4_gemm_i8(const float *x, const uint8_t *qw, const uint16_t *d, const uint16_t *mn, float *out, int64_t M,
+                int64_t K, int64_t N) {
+    const int64_t nb = K / 32, Mp = (M + TR - 1) / TR * TR;
+    QuantizedRows xq = {aligned_alloc(32, (size_t)(Mp * K)), aligned_alloc(32, sizeof(int16_t) * (size_t)(Mp * nb * 16)),
+                        malloc(sizeof(float) * (size_t)Mp), malloc(sizeof(float) * (size_t)(Mp * nb))};
+    quantize_rows(x, M, Mp, K, &xq);
+    if (M <= STREAM_MAX_ROWS) stream_rows(&xq, qw, d, mn, out, M, nb, N);
+    else
+        for (int64_t i0 = 0; i0 < M; i0 += CHUNK_ROWS)
+            gemm_rows(&xq, qw, d, mn, out, i0, M - i0 < CHUNK_ROWS ? M - i0 : CHUNK_ROWS, nb, N);
+    free(xq.q);
+    free(xq.s);
+    free(xq.dx);
+    free(xq.sum);
+}
