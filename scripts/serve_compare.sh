@@ -1,7 +1,7 @@
 #!/bin/bash
-# Side-by-side serving benchmark: nanoserve (1 and 2 API servers; float32 and, as llama.cpp keeps it,
-# float16 KV cache), llama-cpp-python's server and llama.cpp's llama-server, one
-# at a time on this machine, same GGUF, same load. Optional, both kept outside this repository:
+# Side-by-side serving benchmark: nanoserve (defaults, with 1 and 2 API servers; with llama.cpp's
+# numerics, int8 activations; with an exact float32 KV cache), llama-cpp-python's server and
+# llama.cpp's llama-server, one at a time on this machine, same GGUF, same load. Optional, both kept outside this repository:
 # LLAMA_CPP_PYTHON, the python of a venv with llama-cpp-python[server]; LLAMA_SERVER, the llama-server
 # binary built from that package's vendored llama.cpp.
 cd "$(dirname "$0")/.."
@@ -11,9 +11,13 @@ wait_up() { for i in $(seq 120); do curl -sf "$1" >/dev/null && return 0; sleep 
 wait_up http://127.0.0.1:8021/health
 .venv/bin/nanoserve bench serve --url http://127.0.0.1:8021 --concurrency 1,8,32 --label "nanoserve (1 API server)"
 pkill -f "nanoserve serve --port 8021"; sleep 3
-.venv/bin/nanoserve serve --port 8021 --kv-cache-dtype float16 > /tmp/bench-nano16.log 2>&1 &
+.venv/bin/nanoserve serve --port 8021 --activation-dtype int8 > /tmp/bench-nano8.log 2>&1 &
 wait_up http://127.0.0.1:8021/health
-.venv/bin/nanoserve bench serve --url http://127.0.0.1:8021 --concurrency 32 --label "nanoserve (float16 KV cache)"
+.venv/bin/nanoserve bench serve --url http://127.0.0.1:8021 --concurrency 1,8,32 --label "nanoserve (int8 activations)"
+pkill -f "nanoserve serve --port 8021"; sleep 3
+.venv/bin/nanoserve serve --port 8021 --kv-cache-dtype float32 > /tmp/bench-nano32.log 2>&1 &
+wait_up http://127.0.0.1:8021/health
+.venv/bin/nanoserve bench serve --url http://127.0.0.1:8021 --concurrency 32 --label "nanoserve (float32 KV cache)"
 pkill -f "nanoserve serve --port 8021"; sleep 3
 .venv/bin/nanoserve serve --port 8022 --api-server-count 2 > /tmp/bench-nano2.log 2>&1 &
 wait_up http://127.0.0.1:8022/health

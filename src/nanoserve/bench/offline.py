@@ -17,11 +17,12 @@ def _random_prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[li
     return torch.randint(100, vocab, (num, length), generator=g).tolist()
 
 
-def run_nanoserve(model: str, dtype: str, prompts, output_len: int, max_num_batched_tokens: int) -> float:
+def run_nanoserve(model: str, dtype: str, prompts, output_len: int, max_num_batched_tokens: int,
+                  activation_dtype: str = "float32") -> float:
     from nanoserve import LLM, SamplingParams
 
     llm = LLM(model, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
-              max_num_seqs=max(len(prompts), 1))
+              max_num_seqs=max(len(prompts), 1), activation_dtype=activation_dtype)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate([prompts[0][:8]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
     start = time.perf_counter()
@@ -62,6 +63,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="nanoserve bench offline", description=__doc__)
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtypes", default="auto", help="nanoserve dtypes to measure, comma-separated")
+    ap.add_argument("--activation-dtypes", default="float32",
+                    help="nanoserve activation dtypes to measure with each of --dtypes (float32, int8)")
     ap.add_argument("--baseline-dtype", default="float32", help="dtype of the transformers baseline")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
@@ -87,10 +90,12 @@ def main(argv=None) -> None:
             rows.append((name, f"transformers {args.baseline_dtype}", base, 1.0))
             print(f"{name:45s} transformers {args.baseline_dtype:9s} {base:8.1f} tok/s", flush=True)
         for dtype in args.dtypes.split(","):
-            ours = run_nanoserve(model, dtype, prompts, out_len, args.max_num_batched_tokens)
-            ratio = ours / base if base else float("nan")
-            rows.append((name, f"nanoserve {dtype}", ours, ratio))
-            print(f"{name:45s} nanoserve {dtype:12s} {ours:8.1f} tok/s  x{ratio:.2f}", flush=True)
+            for act in args.activation_dtypes.split(","):
+                ours = run_nanoserve(model, dtype, prompts, out_len, args.max_num_batched_tokens, act)
+                ratio = ours / base if base else float("nan")
+                label = dtype if act == "float32" else f"{dtype}, {act} activations"
+                rows.append((name, f"nanoserve {label}", ours, ratio))
+                print(f"{name:45s} nanoserve {label:12s} {ours:8.1f} tok/s  x{ratio:.2f}", flush=True)
     print("\n| workload | engine | output tok/s | vs transformers |\n|---|---|---|---|")
     for name, engine, tps, ratio in rows:
         print(f"| {name} | {engine} | {tps:.1f} | {ratio:.2f}x |")
