@@ -1,6 +1,7 @@
 """Building blocks of a Llama-family decoder: linear layers with float32 or bfloat16 weights, RMSNorm,
 rotary embeddings (default, linear, llama3 scaling), and attention that writes to and reads from the
-paged KV cache through block tables. Activations and the KV cache are always float32."""
+paged KV cache (float32 or float16) through block tables. Activations are float32, optionally
+quantized to 8 bits right before a 4-bit weight's product (`Linear.int8_activations`)."""
 from __future__ import annotations
 
 import math
