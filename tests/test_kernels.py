@@ -71,6 +71,17 @@ def test_block_linear_matches_dequantized_reference(rows, width):
         assert (dequant(*blocks) - w).abs().max() < w.abs().max() / (14 if len(blocks) == 3 else 250)
 
 
+def test_block_gemm_row_does_not_depend_on_its_panel():
+    """A step of 16p + r rows (r <= 8) runs its last panel through 8-row tiles: each output still sums
+    over k in the same order as in a full 16-row panel, so results are identical."""
+    g = torch.Generator().manual_seed(2)
+    blocks = kernels.quantize_q4(torch.randn(130, 448, generator=g))
+    x = torch.randn(40, 448, generator=g)
+    full = kernels.block_gemm(lib, x, blocks)
+    for rows in (1, 5, 8, 9, 17, 24, 33):
+        assert torch.equal(kernels.block_gemm(lib, x[:rows], blocks), full[:rows]), rows
+
+
 def _quantize_activations_reference(x: torch.Tensor) -> torch.Tensor:
     """x as int8_gemm.c quantizes it, back in float: per block of 32, q = round(x / (s * dx)) with dx
     the row's maximum / (127 * 32767) and s the block's integer scale."""

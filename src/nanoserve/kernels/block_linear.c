@@ -130,7 +130,7 @@ void rms_norm_f32(const float *x, const float *w, float *out, int64_t rows, int6
     }
 }
 
-/* Steps with more rows (a decode batch of 16 to ~128 requests): each thread dequantizes a group of
+/* Steps with more rows (a decode batch of 6 to ~128 requests): each thread dequantizes a group of
  * weight rows into float32 once (it stays in L2), then multiplies x against it in tiles of 16 rows of x
  * (two vectors of x transposed, so that a vector holds 8 rows at one k) by 6 weight rows (broadcast):
  * 12 accumulators, and per k 2 loads, 6 broadcasts and 12 FMAs, so the loop is bound by FMAs rather than
@@ -221,6 +221,25 @@ static void tile16x1(const float *a, const float *w, int64_t kc, float *acc) {
     _mm256_storeu_ps(acc + 8, c1);
 }
 
+/* acc (12, 16) += a (kc, first 8 of 16 rows) times 12 weight rows: a panel with at most 8 rows left
+ * (12 accumulators of 8 rows, per k 1 load, 12 broadcasts and 12 FMAs), so a step of M = 16p + r rows
+ * with r <= 8 does not pay for 16. Each output's sum runs over k in the same order as in tile16x6. */
+static void tile8x12(const float *a, const float *w, int64_t K, int64_t kc, float *acc) {
+    __m256 c[12];
+    for (int j = 0; j < 12; j++) c[j] = _mm256_loadu_ps(acc + j * 16);
+    for (int64_t k = 0; k < kc; k++, a += 16) {
+        const __m256 a0 = _mm256_loadu_ps(a);
+        for (int j = 0; j < 12; j++) c[j] = _mm256_fmadd_ps(a0, _mm256_broadcast_ss(w + j * K + k), c[j]);
+    }
+    for (int j = 0; j < 12; j++) _mm256_storeu_ps(acc + j * 16, c[j]);
+}
+
+static void tile8x1(const float *a, const float *w, int64_t kc, float *acc) {
+    __m256 c0 = _mm256_loadu_ps(acc);
+    for (int64_t k = 0; k < kc; k++, a += 16) c0 = _mm256_fmadd_ps(_mm256_loadu_ps(a), _mm256_broadcast_ss(w + k), c0);
+    _mm256_storeu_ps(acc, c0);
+}
+
 /* y (M, N) = x (M, K) W^T with W as 4-bit blocks (mn != NULL) or 8-bit blocks (mn == NULL). */
 void block_gemm_f32(const float *x, const void *qw, const uint16_t *d, const uint16_t *mn, float *out, int64_t M,
                     int64_t K, int64_t N) {
@@ -247,6 +266,11 @@ void block_gemm_f32(const float *x, const void *qw, const uint16_t *d, const uin
                     const float *a = xT + p * K * 16 + k0 * 16;
                     float *ap = acc + p * NG * 16;
                     int64_t j = 0;
+                    if (M - p * 16 <= 8) {
+                        for (; j + 12 <= rows; j += 12) tile8x12(a, buf + j * K + k0, K, kc, ap + j * 16);
+                        for (; j < rows; j++) tile8x1(a, buf + j * K + k0, kc, ap + j * 16);
+                        continue;
+                    }
                     for (; j + TILE_COLS <= rows; j += TILE_COLS) tile16x6(a, buf + j * K + k0, K, kc, ap + j * 16);
                     for (; j < rows; j++) tile16x1(a, buf + j * K + k0, kc, ap + j * 16);
                 }

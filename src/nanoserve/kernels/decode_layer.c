@@ -23,7 +23,7 @@ void decode_attention_f32(const float *q, const void *k_cache, const void *v_cac
                           int64_t num_kv_heads, int64_t head_dim, int64_t num_slots, int64_t max_ctx,
                           int64_t kv_f16, float scale);
 
-#define BLOCKS_MAX_ROWS 8 /* as Linear.BLOCKS_MAX_ROWS: the streaming kernel up to here, then the GEMM */
+#define BLOCKS_MAX_ROWS 5 /* as Linear.BLOCKS_MAX_ROWS: the streaming kernel up to here, then the GEMM */
 
 /* w: the weight's blocks, {quants, d, m}, m NULL for 8-bit; int8_x: x quantized to 8 bits for 4-bit
  * weights (as Linear.int8_activations). */
