@@ -59,8 +59,8 @@ def test_chat_template_and_tokens(smollm_llm):
     assert out.outputs[0].text and out.outputs[0].finish_reason in ("stop", "length")
 
 
-def _engine(llm, **cache_kw) -> EngineCore:
-    cfg = EngineConfig(model=llm.model_path, dtype="float32",
+def _engine(llm, activation_dtype="float32", **cache_kw) -> EngineCore:
+    cfg = EngineConfig(model=llm.model_path, dtype="float32", activation_dtype=activation_dtype,
                        cache=CacheConfig(**cache_kw), scheduler=SchedulerConfig(max_num_batched_tokens=256))
     return EngineCore(cfg, loaded_model=(llm.engine.model_config, llm.engine.runner.model))
 
@@ -241,3 +241,20 @@ def test_int8_activations_do_not_depend_on_the_batch(smollm_llm, smollm_tokenize
     together = run(seqs)
     for seq, logits in zip(seqs, together):
         torch.testing.assert_close(run([seq])[0], logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="no C compiler on this machine")
+def test_int8_activations_same_output_alone_batched_chunked_and_preempted(smollm_llm, smollm_tokenizer):
+    """int8 activations amplify any last-bit difference, so with them every step computes each token
+    the same way: row-independent 8-bit products, and prefill attention through the decode kernel on
+    the cached keys. Greedy output is then identical alone, in a batch, with prompts split into
+    chunks (token budget 256) and after preemption and recomputation."""
+    prompts = _batch_prompts(smollm_tokenizer)
+    prompts[3] = prompts[3] * 30  # ~400 tokens: prefilled in chunks under the 256-token budget
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = _run(_engine(smollm_llm, "int8", num_blocks=512, block_size=16), prompts, params)
+    small = _engine(smollm_llm, "int8", num_blocks=40, block_size=16)
+    assert _run(small, prompts, params) == ref
+    assert small.scheduler.num_preemptions > 0
+    for i in (0, 3, 7):
+        assert _run(_engine(smollm_llm, "int8", num_blocks=64, block_size=16), [prompts[i]], params)[0] == ref[i]

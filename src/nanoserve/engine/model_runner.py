@@ -139,7 +139,8 @@ class ModelRunner:
                     prefills.append(PrefillSeq(q_start, n, end, slots, mask))
         meta = AttentionMetadata(positions=torch.tensor(positions, dtype=torch.long),
                                  slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),
-                                 num_decodes=num_decodes, prefills=prefills, kernel_lib=self.kernel_lib)
+                                 num_decodes=num_decodes, prefills=prefills, kernel_lib=self.kernel_lib,
+                                 prefill_as_decode=self.int8_activations)
         if num_decodes:
             self._decode_metadata(sched.requests[:num_decodes], meta)
         return (torch.tensor(input_ids, dtype=torch.long), meta,

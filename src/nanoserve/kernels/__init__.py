@@ -25,7 +25,7 @@ _HEADERS = [os.path.join(_DIR, "vec_math.h")]
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 # Every exported kernel (all return void) and its arguments: pointers, int64 sizes, float scalars.
 _SIGNATURES = {
-    "decode_attention_f32": [_ptr] * 6 + [_i64] * 7 + [_f32],
+    "decode_attention_f32": [_ptr] * 6 + [_i64] * 7 + [_f32],  # ..., num_slots, slot_stride, kv_f16, scale
     "q4_linear_f32": [_ptr] * 5 + [_i64] * 3,
     "q8_linear_f32": [_ptr] * 4 + [_i64] * 3,
     "block_gemm_f32": [_ptr] * 5 + [_i64] * 3,
@@ -77,15 +77,17 @@ def load() -> Optional[ctypes.CDLL]:
 def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slots: torch.Tensor, ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q: (B, H, D) float32; caches (KVH, S, D) float32, or float16 with D a multiple of 8; slots (B, T)
-    int64; ctx_lens (B,) int64."""
+    int64 with contiguous rows, or one (T,) list expanded to (B, T) (stride 0) for rows of one sequence;
+    ctx_lens (B,) int64."""
     f16 = k_cache.dtype == torch.float16
     assert k_cache.dtype in (torch.float32, torch.float16) and (not f16 or q.shape[-1] % 8 == 0)
+    assert slots.stride(1) == 1
     q = q.contiguous()
     batch, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
     lib.decode_attention_f32(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
                              ctx_lens.data_ptr(), out.data_ptr(), batch, num_heads, k_cache.shape[0],
-                             head_dim, k_cache.shape[1], slots.shape[1], int(f16), scale)
+                             head_dim, k_cache.shape[1], slots.stride(0), int(f16), scale)
     return out
 
 

@@ -1,8 +1,11 @@
 /* Paged decode attention on the CPU: one query token per sequence attends to its whole context,
  * reading keys and values straight from the paged KV cache (no gathered copy). q and out are float32;
  * the cache is float32, or float16 (kv_f16, head_dim a multiple of 8), widened as it is read.
- * q: (B, H, D); k_cache, v_cache: (KVH, num_slots, D); slots: (B, max_ctx) cache slot of each
- * position; ctx_lens: (B,); out: (B, H, D). Heads of one KV group are consecutive (H = KVH * G). */
+ * q: (B, H, D); k_cache, v_cache: (KVH, num_slots, D); slots: the cache slot of each position of row
+ * b at slots + b * slot_stride (slot_stride 0: every row reads one list, as the rows of one prefill
+ * sequence do); ctx_lens: (B,); out: (B, H, D). Heads of one KV group are consecutive (H = KVH * G).
+ * Each (row, KV head) is one task computed in a fixed order, so a row's result does not depend on the
+ * other rows. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -119,14 +122,14 @@ static inline __attribute__((always_inline)) void attend_vec(
 void decode_attention_f32(const float *q, const void *k_cache_any, const void *v_cache_any,
                           const int64_t *slots, const int64_t *ctx_lens, float *out,
                           int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                          int64_t num_slots, int64_t max_ctx, int64_t kv_f16, float scale) {
+                          int64_t num_slots, int64_t slot_stride, int64_t kv_f16, float scale) {
     const float *k_cache = k_cache_any, *v_cache = v_cache_any; /* the scalar path: float32 only */
     const int64_t group = num_heads / num_kv_heads;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t task = 0; task < batch * num_kv_heads; task++) {
         const int64_t b = task / num_kv_heads, kvh = task % num_kv_heads;
         const int64_t ctx = ctx_lens[b];
-        const int64_t *seq_slots = slots + b * max_ctx;
+        const int64_t *seq_slots = slots + b * slot_stride;
         const float *kbase = k_cache + kvh * num_slots * head_dim;
         const float *vbase = v_cache + kvh * num_slots * head_dim;
         float *scores = malloc(sizeof(float) * group * ctx);  /* (G, ctx) */

@@ -20,7 +20,7 @@ void rope_write_kv_f32(float *qk, int64_t qk_stride, const float *v, int64_t v_s
                        int64_t num_heads, int64_t num_kv_heads, int64_t D, int64_t num_slots, int64_t kv_f16);
 void decode_attention_f32(const float *q, const void *k_cache, const void *v_cache, const int64_t *slots,
                           const int64_t *ctx_lens, float *out, int64_t batch, int64_t num_heads,
-                          int64_t num_kv_heads, int64_t head_dim, int64_t num_slots, int64_t max_ctx,
+                          int64_t num_kv_heads, int64_t head_dim, int64_t num_slots, int64_t slot_stride,
                           int64_t kv_f16, float scale);
 
 #define BLOCKS_MAX_ROWS 5 /* as Linear.BLOCKS_MAX_ROWS: the streaming kernel up to here, then the GEMM */

@@ -155,6 +155,11 @@ class AttentionMetadata:
     decode_ctx_lens: Optional[torch.Tensor] = None  # (Bd,) context length of each decode
     kernel_lib: Any = None  # the compiled C kernels (decode attention, fused steps), when available
     prefills: list[PrefillSeq] = field(default_factory=list)
+    # Prefill rows attend through the decode kernel, each row as a decode of its own position, reading
+    # keys and values from the cache: a token's attention is then the same whether it was computed in a
+    # decode step, a prompt, a chunk or a recomputation after preemption (the runner asks for it with
+    # int8 activations, which would amplify the last-bit differences between the two paths).
+    prefill_as_decode: bool = False
     rope_cos: Optional[torch.Tensor] = None  # (T, 1, D), filled by the model once per step
     rope_sin: Optional[torch.Tensor] = None
 
@@ -197,8 +202,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
         probs = torch.softmax(scores + meta.decode_bias, dim=-1).to(values.dtype)
         out[:nd] = torch.matmul(probs, values).transpose(0, 1).reshape(nd, num_heads, head_dim)
 
+    as_decode = (meta.prefill_as_decode and meta.kernel_lib is not None
+                 and (cache.k.dtype == torch.float32 or head_dim % 8 == 0))
     for seq in meta.prefills:
         rows = slice(seq.q_start, seq.q_start + seq.q_len)
+        if as_decode:
+            slots = seq.slots if seq.slots is not None else meta.slot_mapping[rows]  # positions 0..ctx_len-1
+            ctx_lens = torch.arange(seq.ctx_len - seq.q_len + 1, seq.ctx_len + 1)
+            out[rows] = kernels.decode_attention(meta.kernel_lib, q[rows], cache.k, cache.v,
+                                                 slots.unsqueeze(0).expand(seq.q_len, -1), ctx_lens, scale)
+            continue
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # (1, H, n, D)
         if seq.mask is None:  # a fresh prompt: its keys are exactly the new ones
             kp = k[rows].transpose(0, 1).unsqueeze(0)
