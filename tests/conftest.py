@@ -23,8 +23,8 @@ def smollm_path() -> str:
 def smollm_llm(smollm_path):
     from nanoserve import LLM
     # The default weights (float32 + exact 4/8-bit blocks) computed exactly, to compare with transformers
-    # (the default float16 KV cache has its own tests).
-    return LLM(smollm_path, seed=0, kv_cache_dtype="float32")
+    # (the default int8 activations and float16 KV cache have their own tests).
+    return LLM(smollm_path, seed=0, activation_dtype="float32", kv_cache_dtype="float32")
 
 
 @pytest.fixture(scope="session")

@@ -258,3 +258,17 @@ def test_int8_activations_same_output_alone_batched_chunked_and_preempted(smollm
     assert small.scheduler.num_preemptions > 0
     for i in (0, 3, 7):
         assert _run(_engine(smollm_llm, "int8", num_blocks=64, block_size=16), [prompts[i]], params)[0] == ref[i]
+
+
+def test_default_activations_are_int8_only_where_weights_are_4_bit(smollm_llm, tiny_models):
+    """`activation_dtype="auto"` (the default): int8 for the GGUF Q4_1 model (with the C kernels),
+    float32 for a model without 4-bit blocks; a wrong name is a ValueError naming the field."""
+    from nanoserve.engine.model_runner import use_int8_activations
+    from nanoserve.model.registry import build_model
+
+    assert _engine(smollm_llm, "auto", num_blocks=8).runner.int8_activations == (kernels.load() is not None)
+    assert not _engine(smollm_llm, "float32", num_blocks=8).runner.int8_activations
+    _, tiny = build_model(tiny_models["llama"], "auto")
+    assert not use_int8_activations("auto", tiny)
+    with pytest.raises(ValueError, match="activation_dtype"):
+        _engine(smollm_llm, "int4", num_blocks=8)

@@ -29,10 +29,11 @@ def _engine_args(ap: argparse.ArgumentParser, positional_model: bool = False) ->
                     help="KV cache precision: float16 halves its memory and the bytes each decode step "
                          "reads (llama.cpp's default cache type); auto (default): float16 where the C "
                          "kernels run, else float32")
-    ap.add_argument("--activation-dtype", default="float32", choices=["float32", "int8"],
-                    help="float32 (default): exact; int8: quantize activations to 8 bits per block of 32 "
-                         "before the 4-bit layer matrices, as llama.cpp does (faster; ~0.5%% error per "
-                         "product, perplexity +0.1%% on the default model)")
+    ap.add_argument("--activation-dtype", default="auto", choices=["auto", "float32", "int8"],
+                    help="int8: quantize activations to 8 bits per block of 32 before the 4-bit layer "
+                         "matrices, as llama.cpp does (faster; ~0.5%% error per product, perplexity +0.1%% "
+                         "on the default model); float32: exact; auto (default): int8 for a model with "
+                         "4-bit blocks (a GGUF Q4 model), else float32")
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--logprobs-mode", default="raw", choices=["raw", "processed"])

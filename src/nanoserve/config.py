@@ -52,10 +52,10 @@ class SchedulerConfig:
 class EngineConfig:
     model: str  # path to a .gguf file or a Hugging Face model directory
     dtype: str = "auto"  # see model.registry.WEIGHT_MODES
-    # "float32": exact; "int8": activations quantized to 8 bits per block of 32 before the 4-bit layer
-    # matrices, as llama.cpp runs them (faster, ~0.5% error per product; see
-    # engine.model_runner.use_int8_activations).
-    activation_dtype: str = "float32"
+    # "int8": activations quantized to 8 bits per block of 32 before the 4-bit layer matrices, as
+    # llama.cpp runs them (faster, ~0.5% error per product); "float32": exact; "auto": int8 for a model
+    # with 4-bit blocks, else float32 (engine.model_runner.use_int8_activations).
+    activation_dtype: str = "auto"
     seed: int = 0
     num_threads: Optional[int] = None
     # "raw": logprobs of the model's distribution (vLLM V1's default); "processed": of the distribution

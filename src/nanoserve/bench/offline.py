@@ -18,7 +18,7 @@ def _random_prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[li
 
 
 def run_nanoserve(model: str, dtype: str, prompts, output_len: int, max_num_batched_tokens: int,
-                  activation_dtype: str = "float32") -> float:
+                  activation_dtype: str = "auto") -> float:
     from nanoserve import LLM, SamplingParams
 
     llm = LLM(model, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
@@ -63,8 +63,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="nanoserve bench offline", description=__doc__)
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtypes", default="auto", help="nanoserve dtypes to measure, comma-separated")
-    ap.add_argument("--activation-dtypes", default="float32",
-                    help="nanoserve activation dtypes to measure with each of --dtypes (float32, int8)")
+    ap.add_argument("--activation-dtypes", default="auto",
+                    help="nanoserve activation dtypes to measure with each of --dtypes (auto, float32, int8)")
     ap.add_argument("--baseline-dtype", default="float32", help="dtype of the transformers baseline")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
@@ -93,7 +93,7 @@ def main(argv=None) -> None:
             for act in args.activation_dtypes.split(","):
                 ours = run_nanoserve(model, dtype, prompts, out_len, args.max_num_batched_tokens, act)
                 ratio = ours / base if base else float("nan")
-                label = dtype if act == "float32" else f"{dtype}, {act} activations"
+                label = dtype if act == "auto" else f"{dtype}, {act} activations"
                 rows.append((name, f"nanoserve {label}", ours, ratio))
                 print(f"{name:45s} nanoserve {label:12s} {ours:8.1f} tok/s  x{ratio:.2f}", flush=True)
     print("\n| workload | engine | output tok/s | vs transformers |\n|---|---|---|---|")

@@ -31,16 +31,17 @@ def kv_cache_dtype(name: str, cfg: ModelConfig) -> torch.dtype:
     return KV_CACHE_DTYPES[name]
 
 
-ACTIVATION_DTYPES = ("float32", "int8")
+ACTIVATION_DTYPES = ("auto", "float32", "int8")
 
 
 def use_int8_activations(name: str, model: LlamaForCausalLM) -> bool:
-    """Whether `activation_dtype` `name` runs the 4-bit layer matrices on 8-bit activations: "int8"
-    does where the model has 4-bit blocks and the C kernels are built (else it stays float32)."""
+    """Whether `activation_dtype` `name` runs the 4-bit layer matrices on 8-bit activations: "int8" and
+    "auto" do where the model has 4-bit blocks (a GGUF Q4 model: activations are quantized only where
+    the weights already are, as llama.cpp does) and the C kernels are built; "float32" never does."""
     if name not in ACTIVATION_DTYPES:
         raise ValueError(f"activation_dtype must be one of {list(ACTIVATION_DTYPES)}, got {name!r}")
     has_q4 = any(isinstance(m, Linear) and m.blocks is not None and len(m.blocks) == 3 for m in model.modules())
-    return name == "int8" and has_q4 and kernels.load() is not None
+    return name != "float32" and has_q4 and kernels.load() is not None
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype = torch.float32) -> int:

@@ -31,7 +31,7 @@ class LLM:
     def __init__(self, model: Optional[str] = None, dtype: str = "auto", *, max_model_len: int = 0,
                  max_num_seqs: int = 128, max_num_batched_tokens: int = 2048, block_size: int = 16,
                  kv_cache_memory: int = 2 << 30, num_kv_blocks: Optional[int] = None,
-                 enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto", activation_dtype: str = "float32",
+                 enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto", activation_dtype: str = "auto",
                  seed: int = 0,
                  num_threads: Optional[int] = None,
                  logprobs_mode: str = "raw", max_logprobs: int = 20):
