@@ -113,8 +113,15 @@ def reference_cut(ids, stops, include, min_tokens):
     """From full decodes of every prefix: the first token (past min_tokens) whose text completes a
     stop string, and there the earliest such match (the shorter of two at the same start)."""
     tok = tokenizer()
-    def text_of(k):  # a prefix may end inside a character: drop the replacement chars decode adds
-        return tok.decode(ids[:k], skip_special_tokens=True).rstrip("\ufffd")
+    def text_of(k):
+        # A stream shows a token's text once it ends on a whole character, all of it at once: text
+        # visible after k tokens is the decode of the longest prefix that does not end inside a
+        # character (a token " " + the first bytes of an emoji shows its space with the emoji).
+        for j in range(k, -1, -1):
+            text = tok.decode(ids[:j], skip_special_tokens=True)
+            if not text.endswith("\ufffd"):
+                return text
+        return ""
     for k in range(min_tokens + 1, len(ids) + 1):
         prev, text = len(text_of(k - 1)), text_of(k)
         found = [(i, s) for s in stops if (i := text.find(s, max(0, prev - len(s) + 1))) >= 0]
@@ -122,6 +129,15 @@ def reference_cut(ids, stops, include, min_tokens):
             i, s = min(found, key=lambda m: (m[0], len(m[1])))
             return text[:i + len(s) if include else i], s
     return tok.decode(ids, skip_special_tokens=True), None
+
+
+def test_stop_string_counts_from_when_its_token_shows():
+    """A token holding a space and the first bytes of an emoji shows its space only with the emoji's
+    last byte, here past min_tokens: the stop string " " then matches there (as in vLLM), found by
+    hypothesis."""
+    ids = tokenizer().encode("  🦜", add_special_tokens=False)
+    deltas, detok = stream(ids, SamplingParams(stop=[" "], min_tokens=2))
+    assert "".join(deltas) == reference_cut(ids, [" "], False, 2)[0] == " " and detok.stop_reason == " "
 
 
 @settings(max_examples=150, deadline=None)
