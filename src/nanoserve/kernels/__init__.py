@@ -1,7 +1,7 @@
 """Small C kernels for the CPU hot spots PyTorch has no fused op for (paged decode attention, matrix
-products on 4/8-bit weight blocks, fused elementwise layer steps, the sampler's whole chain), compiled
-with the system C compiler on first use into a per-user cache and loaded with ctypes. When no
-compiler is available, callers fall back to PyTorch."""
+products on 4/8-bit weight blocks with float32 or int8 activations, fused elementwise layer steps, the
+sampler's whole chain), compiled with the system C compiler on first use into a per-user cache and
+loaded with ctypes. When no compiler is available, callers fall back to PyTorch."""
 from __future__ import annotations
 
 import ctypes
