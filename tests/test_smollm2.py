@@ -4,10 +4,11 @@ preemption and prefix caching do not change what it generates."""
 import pytest
 import torch
 
-from nanoserve import SamplingParams, kernels
+from nanoserve import SamplingParams
 from nanoserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from nanoserve.engine.core import EngineCore
 from nanoserve.protocol import EngineCoreRequest
+from c_compiler import HAS_C_COMPILER, requires_c_compiler
 from runner_driver import RunnerDriver
 
 RAW_PROMPTS = [
@@ -164,7 +165,7 @@ def test_float16_kv_cache_halves_memory_and_keeps_greedy_output_close(smollm_llm
     exact = _engine(smollm_llm, kv_cache_memory=64 << 20, kv_cache_dtype="float32")
     half = _engine(smollm_llm, kv_cache_memory=64 << 20, kv_cache_dtype="float16")
     assert half.runner.kv_caches[0].k.dtype == torch.float16
-    if kernels.load() is not None:
+    if HAS_C_COMPILER:  # auto: float16 where the C kernels run
         assert _engine(smollm_llm, num_blocks=8).runner.kv_caches[0].k.dtype == torch.float16
     assert half.block_manager.num_blocks == 2 * exact.block_manager.num_blocks
     params = SamplingParams(temperature=0, max_tokens=32)
@@ -209,7 +210,7 @@ def _text_ids(smollm_tokenizer, n=4, length=160):
     return [ids[i * 7:i * 7 + length] for i in range(n)]
 
 
-@pytest.mark.skipif(kernels.load() is None, reason="no C compiler on this machine")
+@requires_c_compiler
 def test_int8_activations_stay_close_to_float32(smollm_llm, smollm_tokenizer):
     """`activation_dtype="int8"` (llama.cpp's numerics): over prefill and decode positions of real text,
     the next-token distribution stays within a small KL of float32's and picks the same top token at
@@ -226,7 +227,7 @@ def test_int8_activations_stay_close_to_float32(smollm_llm, smollm_tokenizer):
     assert not torch.equal(runs[0], runs[1])  # it did run the int8 kernels
 
 
-@pytest.mark.skipif(kernels.load() is None, reason="no C compiler on this machine")
+@requires_c_compiler
 def test_int8_activations_do_not_depend_on_the_batch(smollm_llm, smollm_tokenizer):
     """With int8 activations every row of a layer matrix goes through the same operations whatever the
     step's size (kernels/int8_gemm.c), so a sequence's logits alone and inside a batch agree to float32
@@ -243,7 +244,7 @@ def test_int8_activations_do_not_depend_on_the_batch(smollm_llm, smollm_tokenize
         torch.testing.assert_close(run([seq])[0], logits, atol=1e-4, rtol=0)
 
 
-@pytest.mark.skipif(kernels.load() is None, reason="no C compiler on this machine")
+@requires_c_compiler
 def test_int8_activations_same_output_alone_batched_chunked_and_preempted(smollm_llm, smollm_tokenizer):
     """int8 activations amplify any last-bit difference, so with them every step computes each token
     the same way: row-independent 8-bit products, and prefill attention through the decode kernel on
@@ -266,7 +267,7 @@ def test_default_activations_are_int8_only_where_weights_are_4_bit(smollm_llm, t
     from nanoserve.engine.model_runner import use_int8_activations
     from nanoserve.model.registry import build_model
 
-    assert _engine(smollm_llm, "auto", num_blocks=8).runner.int8_activations == (kernels.load() is not None)
+    assert _engine(smollm_llm, "auto", num_blocks=8).runner.int8_activations == HAS_C_COMPILER
     assert not _engine(smollm_llm, "float32", num_blocks=8).runner.int8_activations
     _, tiny = build_model(tiny_models["llama"], "auto")
     assert not use_int8_activations("auto", tiny)
