@@ -138,10 +138,11 @@ class ModelRunner:
                     mask = torch.arange(end).unsqueeze(0) <= torch.arange(start, end).unsqueeze(1)
                     slots = torch.tensor(self._slots(req, 0, end), dtype=torch.long)
                     prefills.append(PrefillSeq(q_start, n, end, slots, mask))
+                if self.int8_activations:  # rows attend as decodes of their positions (see PrefillSeq)
+                    prefills[-1].row_ctx_lens = torch.arange(start + 1, end + 1)
         meta = AttentionMetadata(positions=torch.tensor(positions, dtype=torch.long),
                                  slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),
-                                 num_decodes=num_decodes, prefills=prefills, kernel_lib=self.kernel_lib,
-                                 prefill_as_decode=self.int8_activations)
+                                 num_decodes=num_decodes, prefills=prefills, kernel_lib=self.kernel_lib)
         if num_decodes:
             self._decode_metadata(sched.requests[:num_decodes], meta)
         return (torch.tensor(input_ids, dtype=torch.long), meta,

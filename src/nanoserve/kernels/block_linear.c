@@ -10,12 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+#include "vec_math.h"
 
 /* The 8 partial sums of 32 activations times one block's 32 weights (as 4 vectors of 8 floats). */
 static inline __m256 dot32(const float *xr, __m256 q0, __m256 q1, __m256 q2, __m256 q3) {

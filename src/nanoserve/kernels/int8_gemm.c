@@ -11,16 +11,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec_math.h"
+
 #define TR 4   /* rows of x per tile */
 #define TC 2   /* weight rows per tile */
 #define NGI 24 /* weight rows unpacked per group: a multiple of TC and of 8 */
-
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 static inline float hmax8(__m256 v) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -91,7 +86,7 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, Quan
 
 /* out = dx * (the integer part's lanes summed) + (the minimum term): one function for both kernels. */
 static inline float finish(float dx, __m256 acc, float m_term) {
-    return dx * hsum8(acc) + m_term;
+    return dx * hsum256(acc) + m_term;
 }
 
 /* sum over blocks of m[b] * sum[b], accumulated in block order (each lane of the GEMM's vector version

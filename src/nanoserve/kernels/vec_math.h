@@ -1,9 +1,19 @@
-/* Branch-free float32 exp and log that GCC vectorizes, shared by the C kernels. */
+/* Branch-free float32 exp and log that GCC vectorizes, and a vector's horizontal sum, shared by the
+ * C kernels. */
 #ifndef NANOSERVE_VEC_MATH_H
 #define NANOSERVE_VEC_MATH_H
 
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+
+/* The sum of the 8 lanes of v. */
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
 
 /* log(x) for finite x > 0 (normal floats), branch-free so that loops over it vectorize; the Cephes
  * polynomial, about 1e-7 relative error. */

@@ -141,6 +141,12 @@ class PrefillSeq:
     ctx_len: int
     slots: torch.Tensor  # (ctx_len,) KV-cache slot of every position 0..ctx_len-1
     mask: Optional[torch.Tensor]  # (q_len, ctx_len) bool, None when plain causal from position 0
+    # (q_len,) context length of each row, when the rows attend as decodes of their own positions
+    # through the decode kernel, reading keys and values from the cache: a token's attention is then
+    # the same whether it was computed in a decode step, a prompt, a chunk or a recomputation after
+    # preemption (the runner asks for it with int8 activations, which would amplify the last-bit
+    # differences between the two paths).
+    row_ctx_lens: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -155,11 +161,6 @@ class AttentionMetadata:
     decode_ctx_lens: Optional[torch.Tensor] = None  # (Bd,) context length of each decode
     kernel_lib: Any = None  # the compiled C kernels (decode attention, fused steps), when available
     prefills: list[PrefillSeq] = field(default_factory=list)
-    # Prefill rows attend through the decode kernel, each row as a decode of its own position, reading
-    # keys and values from the cache: a token's attention is then the same whether it was computed in a
-    # decode step, a prompt, a chunk or a recomputation after preemption (the runner asks for it with
-    # int8 activations, which would amplify the last-bit differences between the two paths).
-    prefill_as_decode: bool = False
     rope_cos: Optional[torch.Tensor] = None  # (T, 1, D), filled by the model once per step
     rope_sin: Optional[torch.Tensor] = None
 
@@ -202,15 +203,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
         probs = torch.softmax(scores + meta.decode_bias, dim=-1).to(values.dtype)
         out[:nd] = torch.matmul(probs, values).transpose(0, 1).reshape(nd, num_heads, head_dim)
 
-    as_decode = (meta.prefill_as_decode and meta.kernel_lib is not None
-                 and (cache.k.dtype == torch.float32 or head_dim % 8 == 0))
+    decode_kernel = meta.kernel_lib is not None and (cache.k.dtype == torch.float32 or head_dim % 8 == 0)
     for seq in meta.prefills:
         rows = slice(seq.q_start, seq.q_start + seq.q_len)
-        if as_decode:
+        if seq.row_ctx_lens is not None and decode_kernel:
             slots = seq.slots if seq.slots is not None else meta.slot_mapping[rows]  # positions 0..ctx_len-1
-            ctx_lens = torch.arange(seq.ctx_len - seq.q_len + 1, seq.ctx_len + 1)
             out[rows] = kernels.decode_attention(meta.kernel_lib, q[rows], cache.k, cache.v,
-                                                 slots.unsqueeze(0).expand(seq.q_len, -1), ctx_lens, scale)
+                                                 slots.unsqueeze(0).expand(seq.q_len, -1), seq.row_ctx_lens, scale)
             continue
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # (1, H, n, D)
         if seq.mask is None:  # a fresh prompt: its keys are exactly the new ones
