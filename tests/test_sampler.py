@@ -180,6 +180,54 @@ def test_penalties_equal_per_row_reference_and_counts_are_incremental():
     assert state.row("new", [1], []) == rows[0]  # rows are reused
 
 
+@requires_c_compiler
+def test_kernel_processors_equal_the_dense_pytorch_processors():
+    """The kernel touches only the banned, biased and seen tokens; its processed logits must equal the
+    dense PyTorch processors exactly, also where the lists overlap and where the row's top token is
+    penalized (its max moves)."""
+    from nanoserve.sample.penalties import PenaltyState
+    from nanoserve.sample.sampler import apply_processors
+
+    g = torch.Generator().manual_seed(6)
+    vocab = 300
+    logits = torch.randn(6, vocab, generator=g) * 4
+    top = logits.argmax(dim=-1)
+    params = [SamplingParams(temperature=0, repetition_penalty=1.8, logit_bias={int(top[0]): -1.0, 3: 2.0}),
+              SamplingParams(temperature=0.7, frequency_penalty=0.6, presence_penalty=0.4, min_tokens=9,
+                             stop_token_ids=[5], logit_bias={5: 3.0}),
+              SamplingParams(temperature=1.0, repetition_penalty=0.8, allowed_token_ids=list(range(0, vocab, 2))),
+              SamplingParams(temperature=0.9),
+              SamplingParams(temperature=0, allowed_token_ids=[1, 2, 3], logit_bias={2: -100.0}),
+              SamplingParams(temperature=1.3, top_k=20, repetition_penalty=1.3, presence_penalty=-0.5)]
+    state = PenaltyState(vocab, initial_rows=1)
+    outputs = [[] for _ in params]
+    prompts = [[int(top[i]), 7, 7, 11] + torch.randint(0, vocab, (20,), generator=g).tolist() for i in range(6)]
+    pen = [i for i, p in enumerate(params) if p.has_penalties]
+    rows = {i: state.row(str(i), prompts[i], []) for i in pen}
+    for _ in range(300):  # enough new tokens to grow the seen lists past their first width
+        tokens = torch.randint(0, vocab, (len(pen),), generator=g)
+        state.record(torch.tensor([rows[i] for i in pen]), tokens)
+        for i, t in zip(pen, tokens.tolist()):
+            outputs[i].append(t)
+    for i in pen:
+        seen = state.seen_tokens[rows[i], :int(state.num_seen[rows[i]])].tolist()
+        assert sorted(seen) == sorted(set(prompts[i]) | set(outputs[i])) and len(seen) == len(set(seen))
+    md = SamplingMetadata.build(params, vocab, num_output_tokens=[2] * 6, eos_token_ids=(0,),
+                                penalty_state_rows=rows)
+    md.need_processed = True
+    tokens, processed = make_sampler(True).sample(logits, md, state)
+    dense = apply_processors(logits, md, state)
+    temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params]).unsqueeze(1)
+    expected = dense / temperature
+    for i, p in enumerate(params):
+        if p.top_k:  # truncated rows keep their top-k values
+            kept = ~torch.isinf(processed[i])
+            assert kept.sum() >= 20 and torch.equal(processed[i][kept], expected[i][kept]), i
+        else:
+            assert torch.equal(processed[i], expected[i]), i
+    assert tokens[0] == dense[0].argmax() and tokens[4] == 3
+
+
 @pytest.mark.parametrize("use_kernels", PATHS)
 def test_processors_bias_allowed_and_min_tokens(use_kernels):
     logits = torch.zeros(3, 10)

@@ -33,7 +33,7 @@ _SIGNATURES = {
     "rms_norm_f32": [_ptr] * 3 + [_i64] * 2 + [_f32],
     "silu_mul_f32": [_ptr] * 2 + [_i64] * 2,
     "rope_write_kv_f32": [_ptr, _i64, _ptr, _i64] + [_ptr] * 5 + [_i64] * 6,
-    "sample_rows": [_ptr, _ptr, _i64, _i64, _i64] + [_ptr] * 19,
+    "sample_rows": [_ptr, _ptr, _i64, _i64, _i64] + [_ptr] * 14 + [_i64] + [_ptr] * 6,
     "decode_layer_f32": [_ptr] + [_i64] * 6 + [_ptr] * 2 + [_f32] + [_ptr] * 5 + [_i64] * 2 + [_ptr] * 3
                         + [_i64, _f32, _i64, _ptr],
 }

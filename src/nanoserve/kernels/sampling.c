@@ -233,15 +233,23 @@ static int64_t top_p_keep(const float *x, int64_t n, float m, float lo, float p,
     return nk;
 }
 
-/* x[i] = src[i] / t (in place allowed); returns the row's max. */
+/* x[i] = src[i] / t; returns the row's max. */
 static float scale_max(float *x, const float *src, int64_t n, float t) {
     const __m256 tv = _mm256_set1_ps(t);
     __m256 mv = _mm256_set1_ps(-INFINITY);
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 v = _mm256_div_ps(_mm256_loadu_ps(src + i), tv);
-        _mm256_storeu_ps(x + i, v);
-        mv = _mm256_max_ps(mv, v);
+    if (t == 1.0f) { /* x / 1 == x: a copy */
+        for (; i + 8 <= n; i += 8) {
+            __m256 v = _mm256_loadu_ps(src + i);
+            _mm256_storeu_ps(x + i, v);
+            mv = _mm256_max_ps(mv, v);
+        }
+    } else {
+        for (; i + 8 <= n; i += 8) {
+            __m256 v = _mm256_div_ps(_mm256_loadu_ps(src + i), tv);
+            _mm256_storeu_ps(x + i, v);
+            mv = _mm256_max_ps(mv, v);
+        }
     }
     float m = max8(mv);
     for (; i < n; i++) {
@@ -251,32 +259,58 @@ static float scale_max(float *x, const float *src, int64_t n, float t) {
     return m;
 }
 
-static void apply_processors(float *x, int64_t b, int64_t V, const uint8_t *allowed, const int64_t *allowed_row,
-                             const int64_t *ban_offsets, const int64_t *ban_tokens, const int64_t *bias_offsets,
-                             const int64_t *bias_tokens, const float *bias_values, const uint8_t *prompt_mask,
-                             const int32_t *output_counts, const int64_t *penalty_row, const float *repetition,
-                             const float *frequency, const float *presence) {
-    if (allowed_row[b] >= 0) {
-        const uint8_t *mask = allowed + allowed_row[b] * V;
-        for (int64_t i = 0; i < V; i++) x[i] = mask[i] ? x[i] : -INFINITY;
+/* x[i] = (mask[i] ? src[i] : -inf) / t (allowed_token_ids); returns the row's max. */
+static float mask_scale_max(float *x, const float *src, const uint8_t *mask, int64_t n, float t) {
+    const __m256 tv = _mm256_set1_ps(t), ninf = _mm256_set1_ps(-INFINITY);
+    __m256 mv = ninf;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256i mk = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mask + i)));
+        const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(mk, _mm256_setzero_si256()));
+        const __m256 v = _mm256_blendv_ps(ninf, _mm256_div_ps(_mm256_loadu_ps(src + i), tv), keep);
+        _mm256_storeu_ps(x + i, v);
+        mv = _mm256_max_ps(mv, v);
     }
-    for (int64_t j = ban_offsets[b]; j < ban_offsets[b + 1]; j++) x[ban_tokens[j]] = -INFINITY;
-    for (int64_t j = bias_offsets[b]; j < bias_offsets[b + 1]; j++) x[bias_tokens[j]] += bias_values[j];
-    if (penalty_row[b] >= 0) {
-        const uint8_t *pm = prompt_mask + penalty_row[b] * V;
-        const int32_t *counts = output_counts + penalty_row[b] * V;
-        const float rep = repetition[b], freq = frequency[b], pres = presence[b];
-        for (int64_t i = 0; i < V; i++) { /* branch-free, so that it vectorizes */
-            const float v = x[i], c = (float)counts[i], penalized = v > 0 ? v / rep : v * rep;
-            const int seen = (pm[i] != 0) | (counts[i] > 0);
-            x[i] = (seen ? penalized : v) - freq * c - pres * (float)(counts[i] > 0);
-        }
+    float m = max8(mv);
+    for (; i < n; i++) {
+        x[i] = mask[i] ? src[i] / t : -INFINITY;
+        m = x[i] > m ? x[i] : m;
     }
+    return m;
+}
+
+/* The processors that touch few tokens, on a row x already masked and divided by t (max m): banned
+ * tokens, logit_bias, and the penalties, which change only the tokens seen in the prompt or output
+ * (the row's list `seen`, n_seen long). Each touched token's value is rebuilt from src in vLLM's order
+ * (allowed -> banned -> bias -> penalties) in the scratch y, then divided by t into x: the same numbers
+ * a dense pass would give, without one. Returns the row's new max. */
+static float apply_sparse(float *x, float *y, const float *src, int64_t V, const uint8_t *mask, float t, float m,
+                          const int64_t *ban, int64_t n_ban, const int64_t *bias_tok, const float *bias_val,
+                          int64_t n_bias, const int32_t *seen, int64_t n_seen, const int32_t *counts,
+                          float rep, float freq, float pres) {
+    int recheck = 0; /* a touched token held the max: it may have gone down */
+#define TOUCHED(body)                                                     \
+    for (int64_t j = 0; j < n_ban; j++) { const int64_t tok = ban[j]; body; }       \
+    for (int64_t j = 0; j < n_bias; j++) { const int64_t tok = bias_tok[j]; body; } \
+    for (int64_t j = 0; j < n_seen; j++) { const int64_t tok = seen[j]; body; }
+    TOUCHED(recheck |= x[tok] == m; y[tok] = mask && !mask[tok] ? -INFINITY : src[tok])
+    for (int64_t j = 0; j < n_ban; j++) y[ban[j]] = -INFINITY;
+    for (int64_t j = 0; j < n_bias; j++) y[bias_tok[j]] += bias_val[j];
+    for (int64_t j = 0; j < n_seen; j++) { /* the dense formula's seen branch; unseen tokens keep v */
+        const int64_t tok = seen[j];
+        const float v = y[tok], c = (float)counts[tok];
+        y[tok] = (v > 0 ? v / rep : v * rep) - freq * c - pres * (float)(counts[tok] > 0);
+    }
+    float mx = m;
+    TOUCHED(x[tok] = y[tok] / t; mx = x[tok] > mx ? x[tok] : mx)
+#undef TOUCHED
+    return recheck ? row_max(x, V) : mx;
 }
 
 /* logits: (B, V) float32. Per row: temperature (0 = greedy), min_p (0 = off), top_k (>= V = off),
  * top_p (1 = off), keys (B, 2) uint32 in int64. allowed_row, penalty_row: -1 or a row of `allowed`
- * (A, V) / the penalty tensors; bans and biases as CSR lists (offsets of length B + 1). When
+ * (A, V) / of the penalty state (seen_tokens (R, seen_stride) int32 with num_seen (R,) entries each,
+ * output_counts (R, V) int32); bans and biases as CSR lists (offsets of length B + 1). When
  * write_work, work (B, V) receives each row's processed logits (greedy rows: after the processors
  * only; others also divided by their temperature, dropped tokens at -inf); otherwise it is not touched
  * and each row works in a per-thread buffer that stays in cache. */
@@ -284,35 +318,42 @@ void sample_rows(const float *logits, float *work, int64_t write_work, int64_t B
                  const float *temperature, const float *min_p, const int64_t *top_k, const float *top_p,
                  const int64_t *keys, const uint8_t *allowed, const int64_t *allowed_row,
                  const int64_t *ban_offsets, const int64_t *ban_tokens, const int64_t *bias_offsets,
-                 const int64_t *bias_tokens, const float *bias_values, const uint8_t *prompt_mask,
-                 const int32_t *output_counts, const int64_t *penalty_row, const float *repetition,
-                 const float *frequency, const float *presence, int64_t *tokens) {
+                 const int64_t *bias_tokens, const float *bias_values, const int32_t *seen_tokens,
+                 const int64_t *num_seen, int64_t seen_stride, const int32_t *output_counts,
+                 const int64_t *penalty_row, const float *repetition, const float *frequency,
+                 const float *presence, int64_t *tokens) {
 #pragma omp parallel
     {
-        /* Per-thread scratch: the row, candidates for top-k / top-p, the heap for top-k. */
+        /* Per-thread scratch: the row, candidates for top-k / top-p, the heap for top-k (also the race's
+         * packed values and the sparse processors' values). */
         float *row = malloc(sizeof(float) * (size_t)V);
         Entry *cand = malloc(sizeof(Entry) * (size_t)V);
-        float *heap = malloc(sizeof(float) * (size_t)(V + 8)); /* also the race's packed values */
+        float *heap = malloc(sizeof(float) * (size_t)(V + 8));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t b = 0; b < B; b++) {
             float *x = write_work ? work + b * V : row;
             const float *src = logits + b * V;
-            const float t = temperature[b];
-            const int processed = allowed_row[b] >= 0 || penalty_row[b] >= 0 || ban_offsets[b + 1] > ban_offsets[b]
-                                  || bias_offsets[b + 1] > bias_offsets[b];
-            if (processed) {
-                memcpy(x, src, sizeof(float) * (size_t)V);
-                apply_processors(x, b, V, allowed, allowed_row, ban_offsets, ban_tokens, bias_offsets,
-                                 bias_tokens, bias_values, prompt_mask, output_counts, penalty_row, repetition,
-                                 frequency, presence);
-                src = x;
-            }
-            if (t == 0.0f) {
-                if (write_work && !processed) memcpy(x, src, sizeof(float) * (size_t)V);
+            const float t = temperature[b], ts = t == 0.0f ? 1.0f : t; /* greedy rows: x / 1 == x */
+            const uint8_t *mask = allowed_row[b] >= 0 ? allowed + allowed_row[b] * V : NULL;
+            const int64_t pr = penalty_row[b], n_ban = ban_offsets[b + 1] - ban_offsets[b],
+                          n_bias = bias_offsets[b + 1] - bias_offsets[b];
+            const int sparse = pr >= 0 || n_ban > 0 || n_bias > 0;
+            if (t == 0.0f && !mask && !sparse) {
+                if (write_work) memcpy(x, src, sizeof(float) * (size_t)V);
                 tokens[b] = argmax(src, V);
                 continue;
             }
-            const float m = scale_max(x, src, V, t);
+            float m = mask ? mask_scale_max(x, src, mask, V, ts) : scale_max(x, src, V, ts);
+            if (sparse)
+                m = apply_sparse(x, heap, src, V, mask, ts, m, ban_tokens + ban_offsets[b], n_ban,
+                                 bias_tokens + bias_offsets[b], bias_values + bias_offsets[b], n_bias,
+                                 pr >= 0 ? seen_tokens + pr * seen_stride : NULL, pr >= 0 ? num_seen[pr] : 0,
+                                 pr >= 0 ? output_counts + pr * V : NULL, pr >= 0 ? repetition[b] : 1.0f,
+                                 pr >= 0 ? frequency[b] : 0.0f, pr >= 0 ? presence[b] : 0.0f);
+            if (t == 0.0f) {
+                tokens[b] = first_index_of(x, V, m);
+                continue;
+            }
             if (!(m > -INFINITY)) { /* every token banned: nothing to draw from */
                 tokens[b] = 0;
                 continue;

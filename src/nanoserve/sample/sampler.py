@@ -211,19 +211,20 @@ class Sampler:
         bias_tokens, bias_values, bias_offsets = empty_i, empty_f, torch.zeros(batch + 1, dtype=torch.int64)
         if md.bias is not None:
             bias_tokens, bias_values, bias_offsets = md.bias[1], md.bias[2], _offsets(md.bias[0], batch)
-        prompt_mask, counts, penalty_row = torch.zeros(1, dtype=torch.bool), torch.zeros(1, dtype=torch.int32), none
-        rep, freq, pres = torch.ones(batch), torch.zeros(batch), torch.zeros(batch)
+        seen, num_seen, counts = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64), \
+            torch.zeros(1, dtype=torch.int32)
+        penalty_row, rep, freq, pres = none, torch.ones(batch), torch.zeros(batch), torch.zeros(batch)
         if md.penalty_rows is not None:
-            prompt_mask, counts = penalties.prompt_mask, penalties.output_counts
+            seen, num_seen, counts = penalties.seen_tokens, penalties.num_seen, penalties.output_counts
             penalty_row = none.clone()
             penalty_row[md.penalty_rows] = md.penalty_state_rows
             rep[md.penalty_rows] = md.repetition
             freq[md.penalty_rows] = md.frequency
             pres[md.penalty_rows] = md.presence
         keys = keys if keys is not None else torch.zeros(batch, 2, dtype=torch.int64)
-        args = [logits, work, int(md.need_processed), batch, vocab, temperature, min_p, top_k.to(torch.int64), top_p, keys, allowed,
-                allowed_row, ban_offsets, ban_tokens, bias_offsets, bias_tokens, bias_values, prompt_mask, counts,
-                penalty_row, rep, freq, pres, tokens]
+        args = [logits, work, int(md.need_processed), batch, vocab, temperature, min_p, top_k.to(torch.int64), top_p,
+                keys, allowed, allowed_row, ban_offsets, ban_tokens, bias_offsets, bias_tokens, bias_values, seen,
+                num_seen, seen.shape[-1], counts, penalty_row, rep, freq, pres, tokens]
         args = [a if isinstance(a, int) else a.contiguous() for a in args]  # kept alive through the call
         self.lib.sample_rows(*[a if isinstance(a, int) else a.data_ptr() for a in args])
         return tokens, work if md.need_processed else None
