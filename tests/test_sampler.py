@@ -116,6 +116,24 @@ def test_exponential_race_matches_probabilities(use_kernels):
     assert freq[5] == 0  # a zero-probability token is never drawn
 
 
+@requires_c_compiler
+def test_kernel_race_over_the_whole_vocabulary_draws_what_the_pytorch_race_draws():
+    """Untruncated rows: the kernel computes keys only for tokens whose noise can still win; the tokens
+    must be those of the PyTorch race, which computes every key."""
+    g = torch.Generator().manual_seed(8)
+    vocab = 6000
+    logits = torch.randn(32, vocab, generator=g) * 4
+    params = [SamplingParams(temperature=t, seed=i) for i, t in enumerate([1.0, 0.6, 1.5, 2.0] * 8)]
+    drawn = {True: [], False: []}
+    for kernel in (True, False):
+        sampler = make_sampler(kernel)
+        for step in range(10):
+            md = SamplingMetadata.build(params, vocab, num_output_tokens=[step] * len(params))
+            drawn[kernel].append(sampler(logits, md))
+    assert torch.equal(torch.stack(drawn[True]), torch.stack(drawn[False]))
+    assert len(set(torch.stack(drawn[True])[:, 3].tolist())) > 5  # temperature 2: varied draws
+
+
 @pytest.mark.parametrize("use_kernels", PATHS)
 def test_seeded_row_is_independent_of_the_batch(use_kernels):
     g = torch.Generator().manual_seed(4)

@@ -86,13 +86,30 @@ __attribute__((constructor)) static void build_pack_lut(void) {
     }
 }
 
-/* The race over a whole row (max m): the tokens above the floor are packed (ids and values) into the scratch
- * arrays, then their keys are computed in one vectorizable loop. Ties go to the lower token id, as a
- * scan in order would. */
+static inline __m256i mix32_v(__m256i h) {
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+    h = _mm256_mullo_epi32(h, _mm256_set1_epi32((int)0x85ebca6bu));
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 13));
+    h = _mm256_mullo_epi32(h, _mm256_set1_epi32((int)0xc2b2ae35u));
+    return _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+}
+
+/* A token whose logit is d below the best key so far wins only if its Gumbel noise -log(-log u) exceeds
+ * d, i.e. only if u > exp(-exp(-d)). For d of at least RACE_TIER_D[j], u (as its 23-bit integer h >> 9)
+ * below RACE_TIER_U[j] = floor(exp(-exp(-(d - 0.02))) * 2^23) - 1 rules the token out without a log:
+ * 0.02 of margin covers fast_logf's error many times over. */
+static const float RACE_TIER_D[] = {1.0f, 2.0f, 3.0f, 4.0f, 6.0f, 9.0f, 12.0f};
+static const int32_t RACE_TIER_U[] = {5763606, 7306798, 7973165, 8233315, 8367420, 8387550, 8388554};
+
+/* The race over a whole row (max m). Tokens above the floor (more than GUMBEL_MAX below the top token's
+ * key they cannot win) are packed (ids and values) into the scratch arrays; then each block of 8 gets
+ * its noise as integers, and keys (two logs each) are computed only for tokens whose noise is large
+ * enough to beat the best key so far. Ties go to the lower token id, as a scan in order would. */
 static int64_t race_all(const float *x, int64_t n, float m, uint32_t k0, uint32_t k1, int32_t *ids, float *vals) {
     const int64_t top = first_index_of(x, n, m);
-    const float floor = gumbel_key(x[top], k0, k1, (uint32_t)top) - GUMBEL_MAX;
-    const __m256 fv = _mm256_set1_ps(floor);
+    float best = gumbel_key(x[top], k0, k1, (uint32_t)top);
+    int64_t won = top;
+    const __m256 fv = _mm256_set1_ps(best - GUMBEL_MAX);
     __m256i iv = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256i step = _mm256_set1_epi32(8);
     int64_t live = 0, i = 0;
@@ -105,9 +122,32 @@ static int64_t race_all(const float *x, int64_t n, float m, uint32_t k0, uint32_
         live += __builtin_popcount((unsigned)hit);
     }
     for (; i < n; i++)
-        if (x[i] > floor) { ids[live] = (int32_t)i; vals[live++] = x[i]; }
-    for (int64_t j = 0; j < live; j++) vals[j] = gumbel_key(vals[j], k0, k1, (uint32_t)ids[j]);
-    return ids[argmax(vals, live)];
+        if (x[i] > best - GUMBEL_MAX) { ids[live] = (int32_t)i; vals[live++] = x[i]; }
+    const __m256i key0 = _mm256_set1_epi32((int)k0), key1 = _mm256_set1_epi32((int)k1);
+    const __m256i golden = _mm256_set1_epi32((int)0x9e3779b9u);
+    int64_t j = 0;
+    for (; j + 8 <= live; j += 8) {
+        const __m256i tok = _mm256_loadu_si256((const __m256i *)(ids + j));
+        const __m256i h = mix32_v(_mm256_xor_si256(mix32_v(_mm256_add_epi32(_mm256_mullo_epi32(tok, golden), key0)),
+                                                   key1));
+        const __m256i u = _mm256_srli_epi32(h, 9);
+        const __m256 d = _mm256_sub_ps(_mm256_set1_ps(best), _mm256_loadu_ps(vals + j));
+        __m256i need = _mm256_setzero_si256(); /* the smallest u that could still win */
+        for (int t = 0; t < 7; t++)
+            need = _mm256_blendv_epi8(need, _mm256_set1_epi32(RACE_TIER_U[t]),
+                                      _mm256_castps_si256(_mm256_cmp_ps(d, _mm256_set1_ps(RACE_TIER_D[t]), _CMP_GE_OQ)));
+        unsigned hit = ~(unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(need, u))) & 0xffu;
+        for (; hit; hit &= hit - 1) {
+            const int64_t l = j + __builtin_ctz(hit);
+            const float g = gumbel_key(vals[l], k0, k1, (uint32_t)ids[l]);
+            if (g > best || (g == best && ids[l] < won)) { best = g; won = ids[l]; }
+        }
+    }
+    for (; j < live; j++) {
+        const float g = gumbel_key(vals[j], k0, k1, (uint32_t)ids[j]);
+        if (g > best || (g == best && ids[j] < won)) { best = g; won = ids[j]; }
+    }
+    return won;
 }
 
 /* The race among kept candidates only (top-k / top-p / min_p rows). */
