@@ -236,6 +236,21 @@ static void sift_down(Entry *h, int64_t n, int64_t j) {
     h[j] = e;
 }
 
+/* The sum of exp(x_i - m) over the x_i >= lo (the softmax normaliser for top-p). */
+static float sum_exp_from(const float *x, int64_t n, float lo, float m) {
+    const __m256 lv = _mm256_set1_ps(lo), mv = _mm256_set1_ps(m);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) { /* two accumulators: the adds do not wait on each other */
+        const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+        acc0 = _mm256_add_ps(acc0, _mm256_and_ps(_mm256_cmp_ps(v0, lv, _CMP_GE_OQ), fast_exp256(_mm256_sub_ps(v0, mv))));
+        acc1 = _mm256_add_ps(acc1, _mm256_and_ps(_mm256_cmp_ps(v1, lv, _CMP_GE_OQ), fast_exp256(_mm256_sub_ps(v1, mv))));
+    }
+    float sum = hsum256(_mm256_add_ps(acc0, acc1));
+    for (; i < n; i++) sum += x[i] >= lo ? fast_expf(x[i] - m) : 0.0f;
+    return sum;
+}
+
 /* Fills cand with the tokens that survive top-p among those with x >= lo (max m), and returns their
  * count: tokens are kept in rank order while the probability of the tokens ranked above them is below
  * p, the first always. Only tokens within `cut` of the max are looked at; the cut widens until they
@@ -251,9 +266,7 @@ static int64_t top_p_keep(const float *x, int64_t n, float m, float lo, float p,
             if (lo >= m - cuts[c]) {
                 z = mass;
             } else {
-                float sum = 0.0f;
-                for (int64_t i = 0; i < n; i++) sum += x[i] >= lo ? fast_expf(x[i] - m) : 0.0f;
-                z = sum;
+                z = sum_exp_from(x, n, lo, m);
             }
         }
         if (mass >= p * z) break;
