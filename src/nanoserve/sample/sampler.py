@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from nanoserve import kernels
-from nanoserve.sample.metadata import SamplingMetadata
+from nanoserve.sample.metadata import SamplingMetadata, small_tensor
 from nanoserve.sample.penalties import PenaltyState, apply_penalties
 
 
@@ -127,10 +127,14 @@ def noise_keys(seeds: list[Optional[int]], positions: list[int], generator: torc
     position) for a seeded row, so it draws the same numbers alone, in any batch, at any row and after
     a preemption; from the engine's generator otherwise."""
     keys = torch.randint(0, 1 << 32, (len(seeds), 2), generator=generator, dtype=torch.int64)
+    rows, seeded = [], []
     for row, (seed, position) in enumerate(zip(seeds, positions)):
         if seed is not None:
             key = _splitmix64((seed & MASK64) ^ _splitmix64(position))
-            keys[row, 0], keys[row, 1] = key & MASK32, key >> 32
+            rows.append(row)
+            seeded += (key & MASK32, key >> 32)
+    if rows:  # one scatter for all seeded rows
+        keys[rows] = small_tensor(seeded, torch.int64).view(-1, 2)
     return keys
 
 
