@@ -254,10 +254,11 @@ static float sum_exp_from(const float *x, int64_t n, float lo, float m) {
 /* Fills cand with the tokens that survive top-p among those with x >= lo (max m), and returns their
  * count: tokens are kept in rank order while the probability of the tokens ranked above them is below
  * p, the first always. Only tokens within `cut` of the max are looked at; the cut widens until they
- * hold at least p of the mass. They are ranked with a heap, popping only as many as top-p keeps. */
-static int64_t top_p_keep(const float *x, int64_t n, float m, float lo, float p, Entry *cand) {
+ * hold at least p of the mass. They are ranked with a heap, popping only as many as top-p keeps.
+ * z_known: the normaliser (sum of exp(x_i - m) over x_i >= lo) when already computed, else -1. */
+static int64_t top_p_keep(const float *x, int64_t n, float m, float lo, float p, Entry *cand, float z_known) {
     const float cuts[] = {10.0f, 25.0f, INFINITY};
-    double z = -1.0, mass = 0.0;
+    double z = z_known, mass = 0.0;
     int64_t nc = 0;
     for (int c = 0; c < 3; c++) {
         mass = 0.0;
@@ -309,6 +310,37 @@ static float scale_max(float *x, const float *src, int64_t n, float t) {
         x[i] = src[i] / t;
         m = x[i] > m ? x[i] : m;
     }
+    return m;
+}
+
+/* x[i] = src[i] / t, returning the max m, and *z = the sum of exp(x_i - m), in one pass: each lane keeps
+ * its own running max and rescales its sum when that max grows, so the exps overlap the loads instead
+ * of taking a second pass (top-p rows without top-k or min_p need the whole normaliser). */
+static float scale_max_sumexp(float *x, const float *src, int64_t n, float t, float *z) {
+    const __m256 tv = _mm256_set1_ps(t);
+    __m256 mv = _mm256_set1_ps(-INFINITY), sv = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_div_ps(_mm256_loadu_ps(src + i), tv);
+        _mm256_storeu_ps(x + i, v);
+        if (_mm256_movemask_ps(_mm256_cmp_ps(v, mv, _CMP_GT_OQ))) { /* rare once the row's top is seen */
+            const __m256 grown = _mm256_max_ps(mv, v);
+            sv = _mm256_mul_ps(sv, fast_exp256(_mm256_sub_ps(mv, grown))); /* -inf - finite: exp 0 */
+            mv = grown;
+        }
+        sv = _mm256_add_ps(sv, fast_exp256(_mm256_sub_ps(v, mv)));
+    }
+    float m = max8(mv);
+    for (int64_t j = i; j < n; j++) {
+        x[j] = src[j] / t;
+        m = x[j] > m ? x[j] : m;
+    }
+    float lanes_m[8], lanes_s[8], sum = 0.0f;
+    _mm256_storeu_ps(lanes_m, mv);
+    _mm256_storeu_ps(lanes_s, sv);
+    for (int l = 0; l < 8; l++) sum += lanes_s[l] > 0.0f ? lanes_s[l] * fast_expf(lanes_m[l] - m) : 0.0f;
+    for (; i < n; i++) sum += fast_expf(x[i] - m);
+    *z = sum;
     return m;
 }
 
@@ -396,7 +428,12 @@ void sample_rows(const float *logits, float *work, int64_t write_work, int64_t B
                 tokens[b] = argmax(src, V);
                 continue;
             }
-            float m = mask ? mask_scale_max(x, src, mask, V, ts) : scale_max(x, src, V, ts);
+            /* A top-p row with nothing else to cut it needs the normaliser over every token: computed
+             * in the pass that scales the row. */
+            const int whole_top_p = t != 0.0f && top_p[b] < 1.0f && top_k[b] >= V && !(min_p[b] > 0.0f) && !mask && !sparse;
+            float z = -1.0f;
+            float m = mask ? mask_scale_max(x, src, mask, V, ts)
+                      : whole_top_p ? scale_max_sumexp(x, src, V, ts, &z) : scale_max(x, src, V, ts);
             if (sparse)
                 m = apply_sparse(x, heap, src, V, mask, ts, m, ban_tokens + ban_offsets[b], n_ban,
                                  bias_tokens + bias_offsets[b], bias_values + bias_offsets[b], n_bias,
@@ -419,7 +456,7 @@ void sample_rows(const float *logits, float *work, int64_t write_work, int64_t B
             const uint32_t k0 = (uint32_t)keys[2 * b], k1 = (uint32_t)keys[2 * b + 1];
             int64_t nk = -1; /* kept candidates, or -1: threshold rows keep everything >= lo */
             if (top_p[b] < 1.0f) {
-                nk = top_p_keep(x, V, m, fmaxf(lo, -FLT_MAX), top_p[b], cand);
+                nk = top_p_keep(x, V, m, fmaxf(lo, -FLT_MAX), top_p[b], cand, z);
                 tokens[b] = race_candidates(cand, nk, k0, k1);
             } else if (lo > -INFINITY) {
                 tokens[b] = race_candidates(cand, collect(x, V, lo, m, cand, NULL), k0, k1);
