@@ -3,6 +3,7 @@ KV blocks, the logprobs cap, and a chi-square test of top-p sampling on a real d
 import pytest
 import torch
 
+from c_compiler import requires_c_compiler
 from nanoserve.protocol import EngineCoreRequest
 from nanoserve.sample.metadata import SamplingMetadata, banned_by_bad_words
 from nanoserve.sample.sampler import Sampler
@@ -157,3 +158,26 @@ def test_top_p_sampling_matches_the_real_distribution(smollm_llm, smollm_tokeniz
     p_value = float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(chi2 / 2)))
     print(f"chi-square {chi2:.1f} on {dof} degrees of freedom, p = {p_value:.3f}, {len(support)} tokens")
     assert dof >= 5 and p_value > 1e-3
+
+
+@requires_c_compiler
+@pytest.mark.parametrize("greedy", [True, False])
+def test_penalties_through_the_engine_equal_the_pytorch_sampler(smollm_llm, greedy):
+    """The kernel reads each request's list of seen tokens, which the engine extends as tokens are
+    sampled; over a long generation with every penalty it must pick what the dense PyTorch processors
+    pick (greedy), and draw what they draw (seeded)."""
+    runner = smollm_llm.engine.runner
+    params = SamplingParams(temperature=0 if greedy else 0.8, seed=None if greedy else 3, max_tokens=64,
+                            ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3,
+                            logit_bias={28: 1.5})
+    prompts = ["List of fruits: apple, banana,", "Once upon a time"]
+    kernel_sampler = runner.sampler
+    out = {}
+    try:
+        for name, sampler in [("kernel", kernel_sampler), ("torch", Sampler(use_kernels=False))]:
+            runner.sampler = sampler
+            out[name] = [r.outputs[0].token_ids for r in smollm_llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        runner.sampler = kernel_sampler
+    assert out["kernel"] == out["torch"]
+    assert len(set(out["kernel"][0])) > 30  # the penalties kept it from looping on a few tokens
