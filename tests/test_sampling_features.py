@@ -1,5 +1,6 @@
 """Sampler features on the real SmolLM2 model: bad words, prompt logprobs, n > 1 sharing the prompt's
-KV blocks, the logprobs cap, and a chi-square test of top-p sampling on a real distribution."""
+KV blocks, the logprobs cap, a chi-square test of top-p sampling on a real distribution, and
+penalties through the engine with the kernel equal to the PyTorch sampler."""
 import pytest
 import torch
 
