@@ -35,6 +35,13 @@ static inline float gumbel_key(float x, uint32_t k0, uint32_t k1, uint32_t token
 
 typedef struct { float v; int32_t i; } Entry;
 
+/* One entrant of the race: token id with value x. The highest key wins; ties go to the lower token
+ * id, as a scan in order would. */
+static inline void race_enter(float x, int64_t id, uint32_t k0, uint32_t k1, float *best, int64_t *won) {
+    const float g = gumbel_key(x, k0, k1, (uint32_t)id);
+    if (g > *best || (g == *best && id < *won)) { *best = g; *won = id; }
+}
+
 static inline float max8(__m256 v) {
     float lanes[8], m = -INFINITY;
     _mm256_storeu_ps(lanes, v);
@@ -104,7 +111,7 @@ static const int32_t RACE_TIER_U[] = {5763606, 7306798, 7973165, 8233315, 836742
 /* The race over a whole row (max m). Tokens above the floor (more than GUMBEL_MAX below the top token's
  * key they cannot win) are packed (ids and values) into the scratch arrays; then each block of 8 gets
  * its noise as integers, and keys (two logs each) are computed only for tokens whose noise is large
- * enough to beat the best key so far. Ties go to the lower token id, as a scan in order would. */
+ * enough to beat the best key so far. */
 static int64_t race_all(const float *x, int64_t n, float m, uint32_t k0, uint32_t k1, int32_t *ids, float *vals) {
     const int64_t top = first_index_of(x, n, m);
     float best = gumbel_key(x[top], k0, k1, (uint32_t)top);
@@ -139,14 +146,10 @@ static int64_t race_all(const float *x, int64_t n, float m, uint32_t k0, uint32_
         unsigned hit = ~(unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(need, u))) & 0xffu;
         for (; hit; hit &= hit - 1) {
             const int64_t l = j + __builtin_ctz(hit);
-            const float g = gumbel_key(vals[l], k0, k1, (uint32_t)ids[l]);
-            if (g > best || (g == best && ids[l] < won)) { best = g; won = ids[l]; }
+            race_enter(vals[l], ids[l], k0, k1, &best, &won);
         }
     }
-    for (; j < live; j++) {
-        const float g = gumbel_key(vals[j], k0, k1, (uint32_t)ids[j]);
-        if (g > best || (g == best && ids[j] < won)) { best = g; won = ids[j]; }
-    }
+    for (; j < live; j++) race_enter(vals[j], ids[j], k0, k1, &best, &won);
     return won;
 }
 
@@ -154,10 +157,7 @@ static int64_t race_all(const float *x, int64_t n, float m, uint32_t k0, uint32_
 static int64_t race_candidates(const Entry *cand, int64_t nc, uint32_t k0, uint32_t k1) {
     float best = -INFINITY;
     int64_t won = cand[0].i;
-    for (int64_t j = 0; j < nc; j++) {
-        float g = gumbel_key(cand[j].v, k0, k1, (uint32_t)cand[j].i);
-        if (g > best || (g == best && cand[j].i < won)) { best = g; won = cand[j].i; }
-    }
+    for (int64_t j = 0; j < nc; j++) race_enter(cand[j].v, cand[j].i, k0, k1, &best, &won);
     return won;
 }
 
