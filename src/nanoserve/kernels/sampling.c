@@ -140,9 +140,10 @@ static int64_t race_all(const float *x, int64_t n, float m, uint32_t k0, uint32_
         const __m256i u = _mm256_srli_epi32(h, 9);
         const __m256 d = _mm256_sub_ps(_mm256_set1_ps(best), _mm256_loadu_ps(vals + j));
         __m256i need = _mm256_setzero_si256(); /* the smallest u that could still win */
-        for (int t = 0; t < 7; t++)
-            need = _mm256_blendv_epi8(need, _mm256_set1_epi32(RACE_TIER_U[t]),
-                                      _mm256_castps_si256(_mm256_cmp_ps(d, _mm256_set1_ps(RACE_TIER_D[t]), _CMP_GE_OQ)));
+        for (int t = 0; t < 7; t++) {
+            const __m256 far = _mm256_cmp_ps(d, _mm256_set1_ps(RACE_TIER_D[t]), _CMP_GE_OQ);
+            need = _mm256_blendv_epi8(need, _mm256_set1_epi32(RACE_TIER_U[t]), _mm256_castps_si256(far));
+        }
         unsigned hit = ~(unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(need, u))) & 0xffu;
         for (; hit; hit &= hit - 1) {
             const int64_t l = j + __builtin_ctz(hit);
@@ -243,8 +244,9 @@ static float sum_exp_from(const float *x, int64_t n, float lo, float m) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) { /* two accumulators: the adds do not wait on each other */
         const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
-        acc0 = _mm256_add_ps(acc0, _mm256_and_ps(_mm256_cmp_ps(v0, lv, _CMP_GE_OQ), fast_exp256(_mm256_sub_ps(v0, mv))));
-        acc1 = _mm256_add_ps(acc1, _mm256_and_ps(_mm256_cmp_ps(v1, lv, _CMP_GE_OQ), fast_exp256(_mm256_sub_ps(v1, mv))));
+        const __m256 e0 = fast_exp256(_mm256_sub_ps(v0, mv)), e1 = fast_exp256(_mm256_sub_ps(v1, mv));
+        acc0 = _mm256_add_ps(acc0, _mm256_and_ps(_mm256_cmp_ps(v0, lv, _CMP_GE_OQ), e0));
+        acc1 = _mm256_add_ps(acc1, _mm256_and_ps(_mm256_cmp_ps(v1, lv, _CMP_GE_OQ), e1));
     }
     float sum = hsum256(_mm256_add_ps(acc0, acc1));
     for (; i < n; i++) sum += x[i] >= lo ? fast_expf(x[i] - m) : 0.0f;
@@ -430,7 +432,8 @@ void sample_rows(const float *logits, float *work, int64_t write_work, int64_t B
             }
             /* A top-p row with nothing else to cut it needs the normaliser over every token: computed
              * in the pass that scales the row. */
-            const int whole_top_p = t != 0.0f && top_p[b] < 1.0f && top_k[b] >= V && !(min_p[b] > 0.0f) && !mask && !sparse;
+            const int whole_top_p = t != 0.0f && top_p[b] < 1.0f && top_k[b] >= V && !(min_p[b] > 0.0f)
+                                    && !mask && !sparse;
             float z = -1.0f;
             float m = mask ? mask_scale_max(x, src, mask, V, ts)
                       : whole_top_p ? scale_max_sumexp(x, src, V, ts, &z) : scale_max(x, src, V, ts);
