@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test test-fast bench clean
 
 install: $(STAMP)
 
@@ -21,8 +21,14 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(BIN)/nanoserve serve --host 127.0.0.1 --port 8000
 
+# The whole suite, then the model tests again on the PyTorch backend (C kernels off).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+	NANOSERVE_NO_KERNELS=1 $(BIN)/python -m pytest -q -m "model and not server" tests
+
+# Unit tests and kernels against their PyTorch references: no real model, no server.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not model and not server" tests
 
 bench: $(STAMP)
 	$(BIN)/nanoserve bench offline

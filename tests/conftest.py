@@ -87,3 +87,21 @@ def hf_logits(path: str, sequences: list[list[int]]) -> list[torch.Tensor]:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.inference_mode():
         return [model(torch.tensor([s])).logits[0].float() for s in sequences]
+
+
+# Test tiers (Makefile): `make test-fast` runs neither tier below; `make test` runs everything, then
+# the model tier again with the C kernels off (the PyTorch backend must give the same results).
+MODEL_FIXTURES = {"smollm_path", "smollm_llm", "smollm_tokenizer", "smollm_hf"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "model: uses the real SmolLM2 model")
+    config.addinivalue_line("markers", "server: starts `nanoserve serve` as a subprocess")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__ == "test_server":
+            item.add_marker(pytest.mark.server)
+        elif MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.model)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from backends import DEFAULT
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.request import Request
@@ -14,10 +15,10 @@ from nanoserve.sampling_params import SamplingParams
 
 class RunnerDriver:
     def __init__(self, path: str, dtype: str = "float32", block_size: int = 16, num_blocks: int = 256,
-                 prefix_caching: bool = True, model=None, use_kernels: bool = True,
+                 prefix_caching: bool = True, model=None, backend=None,
                  kv_dtype: torch.dtype = torch.float32, int8_activations: bool = False):
         self.config, model = (model.config, model) if model is not None else build_model(path, dtype)
-        self.runner = ModelRunner(model, num_blocks, block_size, use_kernels=use_kernels, kv_dtype=kv_dtype,
+        self.runner = ModelRunner(model, num_blocks, block_size, backend or DEFAULT, kv_dtype=kv_dtype,
                                   int8_activations=int8_activations)
         self.bm = BlockManager(num_blocks, block_size, prefix_caching)
         self._n = 0

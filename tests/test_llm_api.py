@@ -64,7 +64,7 @@ def test_stop_token_ids_and_eos(smollm_llm, smollm_tokenizer):
 
 
 def _small_context_engine(llm, max_model_len=32):
-    cfg = EngineConfig(model=llm.model_path, dtype="float32", cache=CacheConfig(num_blocks=16),
+    cfg = EngineConfig(model=llm.model_path, dtype="float32", cache=CacheConfig(num_kv_blocks=16),
                        scheduler=SchedulerConfig(max_model_len=max_model_len))
     return EngineCore(cfg, loaded_model=(llm.engine.model_config, llm.engine.runner.model))
 

@@ -5,21 +5,18 @@ import torch
 
 import pytest
 
-from c_compiler import HAS_C_COMPILER, requires_c_compiler
+from backends import C, KERNELS_ON, TORCH, requires_kernels
 from nanoserve.sample.metadata import SamplingMetadata
 from nanoserve.sample.sampler import Sampler, apply_min_p, apply_top_k_top_p
 from nanoserve.sampling_params import SamplingParams
 
-# Both implementations of the chain: the C kernel (the default) and the PyTorch code it replaces when
-# no C compiler is available.
-PATHS = [pytest.param(True, marks=requires_c_compiler, id="kernel"), pytest.param(False, id="torch")]
+# Both implementations of the chain: the C backend's kernel and the PyTorch backend's code.
+PATHS = [pytest.param(True, marks=requires_kernels, id="kernel"), pytest.param(False, id="torch")]
 
 
 def make_sampler(use_kernels: bool, seed: int = 0) -> Sampler:
-    """A sampler on the asked-for path; with a compiler present the kernel must have built."""
-    sampler = Sampler(torch.Generator().manual_seed(seed), use_kernels=use_kernels)
-    assert (sampler.lib is not None) == use_kernels, "the C kernels failed to build"
-    return sampler
+    """A sampler on the C backend (use_kernels) or the PyTorch one."""
+    return Sampler(C if use_kernels else TORCH, torch.Generator().manual_seed(seed))
 
 NEG = float("-inf")
 
@@ -66,7 +63,7 @@ def test_batched_filters_equal_per_row_reference():
     assert (~torch.isinf(batched[0])).sum() == 5 and (~torch.isinf(batched[6])).sum() == 1
 
 
-@requires_c_compiler
+@requires_kernels
 def test_kernel_chain_equals_per_row_reference():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(len(MIXED), 1000, generator=g) * 3
@@ -116,7 +113,7 @@ def test_exponential_race_matches_probabilities(use_kernels):
     assert freq[5] == 0  # a zero-probability token is never drawn
 
 
-@requires_c_compiler
+@requires_kernels
 def test_kernel_race_over_the_whole_vocabulary_draws_what_the_pytorch_race_draws():
     """Untruncated rows: the kernel computes keys only for tokens whose noise can still win; the tokens
     must be those of the PyTorch race, which computes every key."""
@@ -187,7 +184,7 @@ def test_penalties_equal_per_row_reference_and_counts_are_incremental():
             c = outputs[i].count(t)
             x -= freq[i].item() * c + pres[i].item() * (c > 0)
             assert abs(out[i, t].item() - x) < 1e-5
-    if HAS_C_COMPILER:  # the kernel applies the same penalties to greedy rows' logits
+    if KERNELS_ON:  # the kernel applies the same penalties to greedy rows' logits
         params = [SamplingParams(temperature=0, repetition_penalty=r.item(), frequency_penalty=f.item(),
                                  presence_penalty=q.item()) for r, f, q in zip(rep, freq, pres)]
         md = SamplingMetadata.build(params, vocab, penalty_state_rows=dict(enumerate(rows)))
@@ -198,7 +195,7 @@ def test_penalties_equal_per_row_reference_and_counts_are_incremental():
     assert state.row("new", [1], []) == rows[0]  # rows are reused
 
 
-@requires_c_compiler
+@requires_kernels
 def test_kernel_processors_equal_the_dense_pytorch_processors():
     """The kernel touches only the banned, biased and seen tokens; its processed logits must equal the
     dense PyTorch processors exactly, also where the lists overlap and where the row's top token is
@@ -274,7 +271,7 @@ def test_new_fields_validated():
 def test_bench_sampler_runs_both_paths():
     from nanoserve.bench.sampler import bench_chain
 
-    times = bench_chain(torch.randn(6, 300) * 3, batch=6, repeats=2)
+    times = bench_chain(C or TORCH, torch.randn(6, 300) * 3, batch=6, repeats=2)
     assert len(times) == 3 and min(times) > 0
 
 
@@ -293,7 +290,7 @@ def test_top_k_top_p_fall_back_to_a_full_sort_when_candidates_are_not_enough():
         assert torch.equal(torch.isinf(out[i]), torch.isinf(ref)), i
     assert (~torch.isinf(out[1])).sum() == vocab  # a tie at the k-th value keeps every tied token
     assert 4000 < (~torch.isinf(out[0])).sum() < 5000
-    if HAS_C_COMPILER:  # the kernel widens its candidate cut the same way
+    if KERNELS_ON:  # the kernel widens its candidate cut the same way
         md.need_processed = True
         processed = make_sampler(True).sample(flat, md)[1]
         assert torch.equal(torch.isinf(processed), torch.isinf(out))

@@ -4,7 +4,7 @@ penalties through the engine with the kernel equal to the PyTorch sampler."""
 import pytest
 import torch
 
-from c_compiler import requires_c_compiler
+from backends import DEFAULT, TORCH, requires_kernels
 from nanoserve.protocol import EngineCoreRequest
 from nanoserve.sample.metadata import SamplingMetadata, banned_by_bad_words
 from nanoserve.sample.sampler import Sampler
@@ -139,7 +139,7 @@ def test_top_p_sampling_matches_the_real_distribution(smollm_llm, smollm_tokeniz
     rows, rounds = 500, 40
     params = [SamplingParams(temperature=0.8, top_p=0.9)] * rows
     md = SamplingMetadata.build(params, logits.numel())
-    sampler = Sampler(torch.Generator().manual_seed(1234))
+    sampler = Sampler(DEFAULT, torch.Generator().manual_seed(1234))
     batch = captured[0][0].expand(rows, -1).contiguous()
     counts = torch.zeros(logits.numel())
     for _ in range(rounds):
@@ -161,7 +161,7 @@ def test_top_p_sampling_matches_the_real_distribution(smollm_llm, smollm_tokeniz
     assert dof >= 5 and p_value > 1e-3
 
 
-@requires_c_compiler
+@requires_kernels
 @pytest.mark.parametrize("greedy", [True, False])
 def test_penalties_through_the_engine_equal_the_pytorch_sampler(smollm_llm, greedy):
     """The kernel reads each request's list of seen tokens, which the engine extends as tokens are
@@ -175,7 +175,7 @@ def test_penalties_through_the_engine_equal_the_pytorch_sampler(smollm_llm, gree
     kernel_sampler = runner.sampler
     out = {}
     try:
-        for name, sampler in [("kernel", kernel_sampler), ("torch", Sampler(use_kernels=False))]:
+        for name, sampler in [("kernel", kernel_sampler), ("torch", Sampler(TORCH))]:
             runner.sampler = sampler
             out[name] = [r.outputs[0].token_ids for r in smollm_llm.generate(prompts, params, use_tqdm=False)]
     finally:

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from nanoserve import SamplingParams
-from nanoserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from nanoserve.config import EngineConfig
 from nanoserve.engine.core import EngineCore
 from nanoserve.protocol import EngineCoreRequest
-from c_compiler import HAS_C_COMPILER, requires_c_compiler
+from backends import C, DEFAULT, KERNELS_ON, TORCH, requires_kernels
 from runner_driver import RunnerDriver
 
 RAW_PROMPTS = [
@@ -43,6 +43,21 @@ def test_greedy_matches_transformers(smollm_llm, smollm_hf, prompt_ids):
         assert out.outputs[0].token_ids == ref, (ids, out.outputs[0].text)
 
 
+@requires_kernels
+@pytest.mark.parametrize("int8,same_tokens", [(False, 32), (True, 8)])
+def test_both_backends_give_the_same_greedy_text(smollm_llm, prompt_ids, int8, same_tokens):
+    """The formats are decided by the engine, not by the backend: the PyTorch backend computes what the
+    C kernels compute, up to float32 rounding. Greedy text is identical with exact activations; with
+    int8 activations (rounding boundaries of 8-bit steps) it is identical for the first tokens and may
+    part later at a near-tie."""
+    runs = []
+    for kernels in ("c", "torch"):
+        engine = _engine(smollm_llm, "int8" if int8 else "float32", num_kv_blocks=256, kernels=kernels)
+        assert engine.backend.name == kernels
+        runs.append(_run(engine, prompt_ids, SamplingParams(temperature=0, max_tokens=same_tokens, ignore_eos=True)))
+    assert runs[0] == runs[1]
+
+
 def test_prompt_logits_match_transformers(smollm_llm, smollm_hf, prompt_ids):
     driver = RunnerDriver("", model=smollm_llm.engine.runner.model, num_blocks=64)
     ours = driver.run(prompt_ids, prefill_chunk=1000, prefill_len=[len(p) for p in prompt_ids])
@@ -61,8 +76,8 @@ def test_chat_template_and_tokens(smollm_llm):
 
 
 def _engine(llm, activation_dtype="float32", **cache_kw) -> EngineCore:
-    cfg = EngineConfig(model=llm.model_path, dtype="float32", activation_dtype=activation_dtype,
-                       cache=CacheConfig(**cache_kw), scheduler=SchedulerConfig(max_num_batched_tokens=256))
+    cfg = EngineConfig.from_kwargs(llm.model_path, dtype="float32", activation_dtype=activation_dtype,
+                                   max_num_batched_tokens=256, **cache_kw)
     return EngineCore(cfg, loaded_model=(llm.engine.model_config, llm.engine.runner.model))
 
 
@@ -87,10 +102,10 @@ def _batch_prompts(tokenizer, n=16):
 def test_preemption_does_not_change_output(smollm_llm, smollm_tokenizer):
     prompts = _batch_prompts(smollm_tokenizer)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    big = _engine(smollm_llm, num_blocks=512, block_size=16)
+    big = _engine(smollm_llm, num_kv_blocks=512, block_size=16)
     ref = _run(big, prompts, params)
     # Each request needs up to 3 blocks of 16: 9 blocks hold about 3 at a time.
-    small = _engine(smollm_llm, num_blocks=9, block_size=16)
+    small = _engine(smollm_llm, num_kv_blocks=9, block_size=16)
     out = _run(small, prompts, params)
     assert small.scheduler.num_preemptions > 0
     assert small.block_manager.num_free_blocks == 9
@@ -102,9 +117,9 @@ def test_greedy_alone_equals_in_batch(smollm_llm, smollm_tokenizer):
     different-length prompts (see docs/benchmarks.md for the measurement)."""
     prompts = _batch_prompts(smollm_tokenizer)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    engine = _engine(smollm_llm, num_blocks=512, block_size=16)
+    engine = _engine(smollm_llm, num_kv_blocks=512, block_size=16)
     batched = _run(engine, prompts, params)
-    alone = [_run(_engine(smollm_llm, num_blocks=64, block_size=16), [p], params)[0] for p in prompts]
+    alone = [_run(_engine(smollm_llm, num_kv_blocks=64, block_size=16), [p], params)[0] for p in prompts]
     differ = sum(a != b for a, b in zip(alone, batched))
     assert differ == 0, f"{differ} of 16 prompts differ between alone and batched"
 
@@ -114,7 +129,7 @@ def test_prefix_cache_reports_cached_tokens(smollm_llm, smollm_tokenizer):
     a = smollm_tokenizer.encode(system + "Question one: what is two plus two?")
     b = smollm_tokenizer.encode(system + "Question two: name a color.")
     params = SamplingParams(temperature=0, max_tokens=8)
-    engine = _engine(smollm_llm, num_blocks=128, block_size=16)
+    engine = _engine(smollm_llm, num_kv_blocks=128, block_size=16)
     first = _run(engine, [a], params)
     engine.add_request(EngineCoreRequest("b", b, params))
     engine.add_request(EngineCoreRequest("a2", a, params))
@@ -146,27 +161,26 @@ def test_seeded_request_same_alone_in_batch_and_after_preemption(smollm_llm, smo
     others = [SamplingParams(temperature=0.8 + 0.1 * i, min_p=0.05 * (i % 2), max_tokens=20, ignore_eos=True)
               for i in range(8)]
     target = smollm_tokenizer.encode("Tell me a story about a dragon")
-    alone = _run_mixed(_engine(smollm_llm, num_blocks=256), [(target, seeded)])[0]
+    alone = _run_mixed(_engine(smollm_llm, num_kv_blocks=256), [(target, seeded)])[0]
     for row in (0, 5):
         batch = [(p, o) for p, o in zip(prompts, others)]
         batch.insert(row, (target, seeded))
-        assert _run_mixed(_engine(smollm_llm, num_blocks=256), batch)[row] == alone
+        assert _run_mixed(_engine(smollm_llm, num_kv_blocks=256), batch)[row] == alone
     # A pool of 6 blocks of 16 forces preemption and recomputation among 9 requests.
-    small = _engine(smollm_llm, num_blocks=6, block_size=16)
+    small = _engine(smollm_llm, num_kv_blocks=6, block_size=16)
     batch = [(target, seeded)] + [(p, o) for p, o in zip(prompts, others)]
     assert _run_mixed(small, batch)[0] == alone
     assert small.scheduler.num_preemptions > 0
 
 
 def test_float16_kv_cache_halves_memory_and_keeps_greedy_output_close(smollm_llm, prompt_ids):
-    """`kv_cache_dtype="float16"` (the default, "auto", where the C kernels run): twice the blocks for
+    """`kv_cache_dtype="float16"` (the default, "auto", where head_dim allows it): twice the blocks for
     the same byte budget, and greedy text that follows the float32 cache's (measured: identical for
     128 tokens on these prompts)."""
     exact = _engine(smollm_llm, kv_cache_memory=64 << 20, kv_cache_dtype="float32")
     half = _engine(smollm_llm, kv_cache_memory=64 << 20, kv_cache_dtype="float16")
     assert half.runner.kv_caches[0].k.dtype == torch.float16
-    if HAS_C_COMPILER:  # auto: float16 where the C kernels run
-        assert _engine(smollm_llm, num_blocks=8).runner.kv_caches[0].k.dtype == torch.float16
+    assert _engine(smollm_llm, num_kv_blocks=8).runner.kv_caches[0].k.dtype == torch.float16  # auto, any backend
     assert half.block_manager.num_blocks == 2 * exact.block_manager.num_blocks
     params = SamplingParams(temperature=0, max_tokens=32)
     for a, b in zip(_run(exact, prompt_ids, params), _run(half, prompt_ids, params)):
@@ -176,18 +190,24 @@ def test_float16_kv_cache_halves_memory_and_keeps_greedy_output_close(smollm_llm
         _engine(smollm_llm, kv_cache_dtype="int4")
 
 
+@requires_kernels
 @pytest.mark.parametrize("kv_dtype,int8", [(torch.float32, False), (torch.float16, False), (torch.float16, True)])
 def test_fused_decode_layers_equal_layer_by_layer(smollm_llm, prompt_ids, kv_dtype, int8, monkeypatch):
-    """Decode steps run each layer as one C call (kernels/decode_layer.c) with the same kernels in the
-    same order as the layer-by-layer forward: the logits are identical, for steps of up to 8 rows (the
+    """Decode steps run each layer as one C call (kernels/entry.c) with the same kernels in the
+    same order as the layer-by-layer forward: the logits are identical, for steps of up to 5 rows (the
     streaming block kernel) and more (the block GEMM), and with int8 activations."""
-    from nanoserve.model.llama import DecoderLayer
+    from nanoserve.kernels import CKernelBackend
 
     model = smollm_llm.engine.runner.model
     fused_rows = []
-    original = DecoderLayer.forward_decode
-    monkeypatch.setattr(DecoderLayer, "forward_decode",
-                        lambda self, x, *a: (fused_rows.append(x.shape[0]), original(self, x, *a))[1])
+    original = CKernelBackend.fused_decode_layers
+
+    def spy(self, model, x, caches, meta):
+        done = original(self, model, x, caches, meta)
+        if done:
+            fused_rows.append(x.shape[0])
+        return done
+    monkeypatch.setattr(CKernelBackend, "fused_decode_layers", spy)
     for seqs in (prompt_ids[:3], prompt_ids + prompt_ids):
         plen = [len(s) - 6 for s in seqs]  # the last 6 tokens of each as decode steps
         runs = []
@@ -210,7 +230,6 @@ def _text_ids(smollm_tokenizer, n=4, length=160):
     return [ids[i * 7:i * 7 + length] for i in range(n)]
 
 
-@requires_c_compiler
 def test_int8_activations_stay_close_to_float32(smollm_llm, smollm_tokenizer):
     """`activation_dtype="int8"` (llama.cpp's numerics): over prefill and decode positions of real text,
     the next-token distribution stays within a small KL of float32's and picks the same top token at
@@ -227,7 +246,6 @@ def test_int8_activations_stay_close_to_float32(smollm_llm, smollm_tokenizer):
     assert not torch.equal(runs[0], runs[1])  # it did run the int8 kernels
 
 
-@requires_c_compiler
 def test_int8_activations_do_not_depend_on_the_batch(smollm_llm, smollm_tokenizer):
     """With int8 activations every row of a layer matrix goes through the same operations whatever the
     step's size (kernels/int8_gemm.c), so a sequence's logits alone and inside a batch agree to float32
@@ -244,7 +262,6 @@ def test_int8_activations_do_not_depend_on_the_batch(smollm_llm, smollm_tokenize
         torch.testing.assert_close(run([seq])[0], logits, atol=1e-4, rtol=0)
 
 
-@requires_c_compiler
 def test_int8_activations_same_output_alone_batched_chunked_and_preempted(smollm_llm, smollm_tokenizer):
     """int8 activations amplify any last-bit difference, so with them every step computes each token
     the same way: row-independent 8-bit products, and prefill attention through the decode kernel on
@@ -253,23 +270,23 @@ def test_int8_activations_same_output_alone_batched_chunked_and_preempted(smollm
     prompts = _batch_prompts(smollm_tokenizer)
     prompts[3] = prompts[3] * 30  # ~400 tokens: prefilled in chunks under the 256-token budget
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    ref = _run(_engine(smollm_llm, "int8", num_blocks=512, block_size=16), prompts, params)
-    small = _engine(smollm_llm, "int8", num_blocks=40, block_size=16)
+    ref = _run(_engine(smollm_llm, "int8", num_kv_blocks=512, block_size=16), prompts, params)
+    small = _engine(smollm_llm, "int8", num_kv_blocks=40, block_size=16)
     assert _run(small, prompts, params) == ref
     assert small.scheduler.num_preemptions > 0
     for i in (0, 3, 7):
-        assert _run(_engine(smollm_llm, "int8", num_blocks=64, block_size=16), [prompts[i]], params)[0] == ref[i]
+        assert _run(_engine(smollm_llm, "int8", num_kv_blocks=64, block_size=16), [prompts[i]], params)[0] == ref[i]
 
 
 def test_default_activations_are_int8_only_where_weights_are_4_bit(smollm_llm, tiny_models):
-    """`activation_dtype="auto"` (the default): int8 for the GGUF Q4_1 model (with the C kernels),
+    """`activation_dtype="auto"` (the default): int8 for the GGUF Q4_1 model (on either backend),
     float32 for a model without 4-bit blocks; a wrong name is a ValueError naming the field."""
     from nanoserve.engine.model_runner import use_int8_activations
     from nanoserve.model.registry import build_model
 
-    assert _engine(smollm_llm, "auto", num_blocks=8).runner.int8_activations == HAS_C_COMPILER
-    assert not _engine(smollm_llm, "float32", num_blocks=8).runner.int8_activations
+    assert _engine(smollm_llm, "auto", num_kv_blocks=8).runner.int8_activations  # on every backend
+    assert not _engine(smollm_llm, "float32", num_kv_blocks=8).runner.int8_activations
     _, tiny = build_model(tiny_models["llama"], "auto")
     assert not use_int8_activations("auto", tiny)
     with pytest.raises(ValueError, match="activation_dtype"):
-        _engine(smollm_llm, "int4", num_blocks=8)
+        _engine(smollm_llm, "int4", num_kv_blocks=8)

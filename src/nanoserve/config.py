@@ -1,9 +1,37 @@
 """Frozen configuration dataclasses: the model's shape (`ModelConfig`), the KV cache, the scheduler,
-and the root `EngineConfig` that is built once and handed to every component."""
+and the root `EngineConfig` that is built once and handed to every component. The engine options'
+fields own their defaults, choices and help text: the CLI flags (`add_engine_args`) and the `LLM(...)`
+keyword arguments (`EngineConfig.from_kwargs`) are derived from them, as vLLM's EngineArgs does."""
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
+
+WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "q4")
+ACTIVATION_DTYPES = ("auto", "float32", "int8")
+KV_CACHE_DTYPES = ("auto", "float32", "float16")
+KERNEL_CHOICES = ("auto", "c", "torch")
+LOGPROBS_MODES = ("raw", "processed")
+
+
+def option(default: Any = None, help: str = "", *, choices: Optional[tuple] = None, flag: Optional[str] = None,
+           cli_unit: Optional[tuple[str, int]] = None, default_factory=None):
+    """A config field that is also an engine option. `flag`: the CLI spelling when it is not the
+    field's name; `cli_unit` (name, factor): the CLI takes the value in that unit (GiB for bytes)."""
+    meta = {"help": help, "choices": choices, "flag": flag, "cli_unit": cli_unit}
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def default_kernels() -> str:
+    """The default of `kernels`: NANOSERVE_KERNELS, or "torch" under NANOSERVE_NO_KERNELS=1, else auto."""
+    if os.environ.get("NANOSERVE_NO_KERNELS", "") not in ("", "0"):
+        return "torch"
+    return os.environ.get("NANOSERVE_KERNELS") or "auto"
 
 
 @dataclass(frozen=True)
@@ -30,37 +58,94 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    # Either a fixed number of blocks or a byte budget; the block count wins when both are given.
-    num_blocks: Optional[int] = None
-    kv_cache_memory: int = 2 << 30
-    enable_prefix_caching: bool = True
-    # "float32": keys and values as computed; "float16": half the memory and half the bytes each decode
-    # step reads, at float16 precision (llama.cpp's default cache type); "auto": float16 where the C
-    # kernels run, else float32 (engine.model_runner.kv_cache_dtype).
-    kv_cache_dtype: str = "auto"
+    block_size: int = option(16, "tokens per KV-cache block")
+    num_kv_blocks: Optional[int] = option(None, "a fixed number of KV blocks (overrides --kv-cache-memory)")
+    kv_cache_memory: int = option(2 << 30, "KV cache budget", cli_unit=("GiB", 1 << 30))
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of earlier prompts' common prefixes",
+                                         flag="--no-prefix-caching")
+    kv_cache_dtype: str = option(
+        "auto", "KV cache precision: float16 halves its memory and the bytes each decode step reads "
+        "(llama.cpp's default cache type); auto: float16 where head_dim is a multiple of 8, else float32",
+        choices=KV_CACHE_DTYPES)
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 128
-    max_model_len: int = 0  # 0: the model's own context length
+    max_num_batched_tokens: int = option(2048, "token budget of one engine step (chunked prefill beyond it)")
+    max_num_seqs: int = option(128, "requests running at once")
+    max_model_len: int = option(0, "context length served (0: the model's own)")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str  # path to a .gguf file or a Hugging Face model directory
-    dtype: str = "auto"  # see model.registry.WEIGHT_MODES
-    # "int8": activations quantized to 8 bits per block of 32 before the 4-bit layer matrices, as
-    # llama.cpp runs them (faster, ~0.5% error per product); "float32": exact; "auto": int8 for a model
-    # with 4-bit blocks, else float32 (engine.model_runner.use_int8_activations).
-    activation_dtype: str = "auto"
-    seed: int = 0
-    num_threads: Optional[int] = None
-    # "raw": logprobs of the model's distribution (vLLM V1's default); "processed": of the distribution
-    # actually sampled from (after penalties, temperature, min_p, top-k/top-p).
-    logprobs_mode: str = "raw"
-    max_logprobs: int = 20  # cap on logprobs / prompt_logprobs per request
+    dtype: str = option("auto", "weights: auto = float32 plus exact 4/8-bit blocks where the file's numbers fit "
+                        "them; q4 = every matrix rounded to 4-bit blocks", choices=WEIGHT_DTYPES)
+    activation_dtype: str = option(
+        "auto", "int8: quantize activations to 8 bits per block of 32 before the 4-bit layer matrices, as "
+        "llama.cpp does (faster; ~0.5%% error per product); float32: exact; auto: int8 for a model with "
+        "4-bit blocks (a GGUF Q4 model), else float32", choices=ACTIVATION_DTYPES)
+    kernels: str = option(
+        help="compute backend: c = the C kernels (fails at start where they cannot build or run); torch = "
+        "PyTorch only; auto = c where it runs, else torch (env: NANOSERVE_KERNELS, NANOSERVE_NO_KERNELS=1)",
+        choices=KERNEL_CHOICES, default_factory=default_kernels)
+    seed: int = option(0, "engine seed (unseeded requests' noise)")
+    num_threads: Optional[int] = option(None, "compute threads for PyTorch and the C kernels (default: every core)")
+    logprobs_mode: str = option("raw", "raw: logprobs of the model's distribution; processed: of the one sampled "
+                                "from (after penalties, temperature, min_p, top-k/top-p)", choices=LOGPROBS_MODES)
+    max_logprobs: int = option(20, "cap on logprobs / prompt_logprobs per request")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs) -> "EngineConfig":
+        """Builds the config from flat option names (`block_size=32, seed=1`); TypeError on an unknown one."""
+        parts: dict[str, dict] = {"cache": {}, "scheduler": {}, "": {}}
+        owner = {f.name: key for key, c in (("", cls), ("cache", CacheConfig), ("scheduler", SchedulerConfig))
+                 for f in option_fields(c)}
+        for name, value in kwargs.items():
+            if name not in owner:
+                raise TypeError(f"unknown engine option {name!r} (options: {', '.join(sorted(owner))})")
+            parts[owner[name]][name] = value
+        return cls(model=model, cache=CacheConfig(**parts["cache"]),
+                   scheduler=SchedulerConfig(**parts["scheduler"]), **parts[""])
+
+
+def option_fields(cls) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if "help" in f.metadata]
+
+
+ENGINE_OPTION_CLASSES = (EngineConfig, CacheConfig, SchedulerConfig)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per engine option, with the dataclass's default shown in its help."""
+    for cls in ENGINE_OPTION_CLASSES:
+        for f in option_fields(cls):
+            meta = f.metadata
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            flag = meta["flag"] or "--" + f.name.replace("_", "-")
+            if f.type in ("bool", bool):  # a default-on switch turned off by its flag
+                parser.add_argument(flag, dest=f.name, action="store_const", const=not default, default=None,
+                                    help=meta["help"])
+                continue
+            kind = {"int": int, "Optional[int]": int}.get(f.type, str)
+            shown = default
+            if meta["cli_unit"]:
+                unit, factor = meta["cli_unit"]
+                kind, shown = float, f"{default / factor:g} {unit}"
+            parser.add_argument(flag, dest=f.name, type=kind, default=None, choices=meta["choices"],
+                                help=f"{meta['help']} (default: {shown})")
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
+    """The engine options given on the command line (unset flags keep the dataclass defaults)."""
+    out = {}
+    for cls in ENGINE_OPTION_CLASSES:
+        for f in option_fields(cls):
+            value = getattr(args, f.name, None)
+            if value is None:
+                continue
+            unit = f.metadata["cli_unit"]
+            out[f.name] = int(value * unit[1]) if unit else value
+    return out

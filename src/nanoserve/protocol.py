@@ -14,7 +14,6 @@ class FinishReason(enum.IntEnum):
     STOP = 0
     LENGTH = 1
     ABORT = 2
-    ERROR = 3
 
     def __str__(self) -> str:
         return self.name.lower()
@@ -72,12 +71,29 @@ class Rejection(msgspec.Struct, array_like=True, gc=False):
     param: Optional[str] = None
 
 
+class ComputeInfo(msgspec.Struct, gc=False):
+    """What the engine decided once at start: backend ("c" or "torch"), the kernels' instruction-set
+    target, the layer matrices' storage, the activation and KV-cache formats, and compute threads."""
+    backend: str
+    isa: Optional[str]
+    weights: str
+    activations: str
+    kv_cache_dtype: str
+    num_threads: int
+
+    def summary(self) -> str:
+        isa = f" ({self.isa})" if self.isa else ""
+        return (f"backend {self.backend}{isa}, {self.num_threads} threads; weights: {self.weights}; "
+                f"activations: {self.activations}; KV cache: {self.kv_cache_dtype}")
+
+
 class ModelInfo(msgspec.Struct, array_like=True, gc=False):
     """Sent with the engine core's ready message: what the frontend needs to know of the model."""
     max_model_len: int
     vocab_size: int
     max_logprobs: int
     pid: int
+    compute: ComputeInfo
 
 
 # Frontend -> engine core: one message per frame, tagged by type.

@@ -7,7 +7,6 @@ from typing import Optional
 
 import msgspec
 
-MAX_LOGPROBS = 20  # default cap on logprobs / prompt_logprobs (EngineConfig.max_logprobs)
 
 
 def field_of_error(message: str) -> Optional[str]:
@@ -102,11 +101,6 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-
-    def token_ids_used(self) -> list[int]:
-        """Every token id the parameters name, for a range check against the vocabulary."""
-        return [*self.stop_token_ids, *(self.logit_bias or ()), *(self.allowed_token_ids or ()),
-                *(t for seq in self.bad_words_token_ids for t in seq)]
 
     @property
     def greedy(self) -> bool:

@@ -12,6 +12,7 @@ import torch
 from nanoserve.config import EngineConfig
 from nanoserve.engine.core import EngineCore
 from nanoserve.frontend.tokenizer import load_tokenizer
+from nanoserve.kernels import TorchBackend
 from nanoserve.model.loader import default_model_path
 from nanoserve.protocol import EngineCoreRequest
 from nanoserve.sample.metadata import SamplingMetadata, allowed_token_mask
@@ -65,7 +66,8 @@ def model_logits(engine, tokenizer, num: int) -> torch.Tensor:
     return torch.cat(captured)[:num]
 
 
-def bench_chain(all_logits: torch.Tensor, batch: int, repeats: int) -> tuple[float, float]:
+def bench_chain(backend, all_logits: torch.Tensor, batch: int, repeats: int) -> tuple[float, float, float]:
+    """Seconds per call: the batch on `backend`, the loop of rows on it, and the loop on PyTorch."""
     g = torch.Generator().manual_seed(batch)
     logits = all_logits[:batch].contiguous()
     vocab = logits.shape[1]
@@ -76,8 +78,8 @@ def bench_chain(all_logits: torch.Tensor, batch: int, repeats: int) -> tuple[flo
     outputs = [[3, 4]] * batch
     # Like the engine: a request's allowed-token mask is built once and kept.
     masks = {i: allowed_token_mask(p, vocab) for i, p in enumerate(params) if p.allowed_token_ids}
-    sampler = Sampler(torch.Generator().manual_seed(0))
-    torch_sampler = Sampler(torch.Generator().manual_seed(0), use_kernels=False)
+    sampler = Sampler(backend, torch.Generator().manual_seed(0))
+    torch_sampler = Sampler(TorchBackend(), torch.Generator().manual_seed(0))
 
     def batched():
         md = SamplingMetadata.build(params, vocab, eos_token_ids=(0,), penalty_state_rows=penalty_rows,
@@ -136,7 +138,7 @@ def main(argv=None) -> None:
     print("| rows | batched chain (ms/step) | loop, same kernel per row (ms) | speed-up "
           "| loop, PyTorch chain per row (ms) | speed-up |\n|---|---|---|---|---|---|")
     for b in sizes:
-        batched, looped, torch_loop = bench_chain(logits, b, args.repeats)
+        batched, looped, torch_loop = bench_chain(engine.backend, logits, b, args.repeats)
         print(f"| {b} | {batched * 1e3:.2f} | {looped * 1e3:.2f} | {looped / batched:.1f}x "
               f"| {torch_loop * 1e3:.2f} | {torch_loop / batched:.1f}x |", flush=True)
     if args.engine_requests:

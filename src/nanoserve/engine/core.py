@@ -1,6 +1,7 @@
-"""`EngineCore`: tokens in, tokens out. Loads the model, sizes the KV block pool, and runs the step
-loop `schedule -> execute -> update` for `add_request` / `abort` / `step` callers (the offline `LLM`
-in-process, the engine-core process behind ZMQ later)."""
+"""`EngineCore`: tokens in, tokens out. Chooses the compute backend and the numeric formats once,
+loads the model, sizes the KV block pool, and runs the step loop `schedule -> execute -> update` for
+`add_request` / `abort` / `step` callers (the offline `LLM` in-process, the engine-core process behind
+ZMQ)."""
 from __future__ import annotations
 
 import ctypes
@@ -12,11 +13,13 @@ import torch
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.block_manager import BlockManager
-from nanoserve.engine.model_runner import ModelRunner, kv_bytes_per_block, kv_cache_dtype, use_int8_activations
+from nanoserve.engine.model_runner import (ModelRunner, kv_bytes_per_block, kv_cache_dtype, use_int8_activations,
+                                           weight_formats)
 from nanoserve.engine.request import Request
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.model.registry import build_model
-from nanoserve.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from nanoserve.kernels.backend import select_backend
+from nanoserve.protocol import ComputeInfo, EngineCoreOutput, EngineCoreRequest, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +45,14 @@ class PromptTooLongError(ValueError):
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded_model=None):
         """`loaded_model`: an already built `(ModelConfig, model)` to share weights between engines
-        (tests); by default the model is loaded from `config.model`."""
+        (tests); by default the model is loaded from `config.model`. Raises `ValueError` (or
+        `RuntimeError` for `--kernels c` where they cannot run) for an explicit option that cannot run."""
         self.config = config
         keep_freed_memory()
-        torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        num_threads = config.num_threads or os.cpu_count() or 1
+        torch.set_num_threads(num_threads)
         torch.manual_seed(config.seed)
+        self.backend = select_backend(config.kernels, num_threads)
         sched_cfg = config.scheduler
         self.model_config, model = loaded_model or build_model(config.model, config.dtype,
                                                                sched_cfg.max_model_len)
@@ -54,15 +60,18 @@ class EngineCore:
         cache = config.cache
         kv_dtype = kv_cache_dtype(cache.kv_cache_dtype, self.model_config)
         per_block = kv_bytes_per_block(self.model_config, cache.block_size, kv_dtype)
-        num_blocks = cache.num_blocks or max(1, cache.kv_cache_memory // per_block)
+        num_blocks = cache.num_kv_blocks or max(1, cache.kv_cache_memory // per_block)
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched_cfg, self.block_manager)
         int8 = use_int8_activations(config.activation_dtype, model)
-        self.runner = ModelRunner(model, num_blocks, cache.block_size, config.seed,
+        self.runner = ModelRunner(model, num_blocks, cache.block_size, self.backend, config.seed,
                                   logprobs_mode=config.logprobs_mode, kv_dtype=kv_dtype, int8_activations=int8)
         self.capacity_tokens = num_blocks * cache.block_size
-        logger.info("KV cache: %d blocks of %d tokens (%.0f MiB, %s); activations: %s", num_blocks,
-                    cache.block_size, num_blocks * per_block / 2**20, kv_dtype, "int8" if int8 else "float32")
+        self.compute = ComputeInfo(self.backend.name, self.backend.isa, weight_formats(model),
+                                   "int8" if int8 else "float32", str(kv_dtype).replace("torch.", ""), num_threads)
+        logger.info("compute: %s", self.compute.summary())
+        logger.info("KV cache: %d blocks of %d tokens (%.0f MiB)", num_blocks, cache.block_size,
+                    num_blocks * per_block / 2**20)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

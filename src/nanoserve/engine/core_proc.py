@@ -38,7 +38,7 @@ class EngineCoreProc:
         self.address = address
         self.io_thread = threading.Thread(target=self._io_loop, name="engine-io", daemon=True)
         self.info = ModelInfo(engine.max_model_len, engine.model_config.vocab_size,
-                              engine.config.max_logprobs, os.getpid())
+                              engine.config.max_logprobs, os.getpid(), engine.compute)
         self.stopping = False
 
     # ------------------------------------------------------------------------------ IO thread

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve import kernels
-from nanoserve.config import ModelConfig
+from nanoserve.config import ACTIVATION_DTYPES, KV_CACHE_DTYPES, ModelConfig
 from nanoserve.engine.request import Request
 from nanoserve.engine.scheduler import SchedulerOutput
+from nanoserve.kernels.backend import TorchBackend
 from nanoserve.model.layers import AttentionMetadata, KVCache, Linear, PrefillSeq
 from nanoserve.model.llama import LlamaForCausalLM
 from nanoserve.sample.metadata import SamplingMetadata, allowed_token_mask
@@ -17,31 +17,45 @@ from nanoserve.sample.penalties import PenaltyState
 from nanoserve.sample.sampler import Sampler
 
 
-KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+KV_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
 def kv_cache_dtype(name: str, cfg: ModelConfig) -> torch.dtype:
-    """"auto" is float16 where the C attention kernels read it (they are built, head_dim is a multiple
-    of 8): half the memory and half the bytes per decode step, with logits within a KL of ~1e-7 of a
-    float32 cache's on the default model (docs/benchmarks.md). Otherwise float32."""
+    """"auto" is float16 where head_dim is a multiple of 8 (the C attention kernel reads such a cache
+    directly): half the memory and half the bytes per decode step, with logits within a KL of ~1e-7 of a
+    float32 cache's on the default model (docs/benchmarks.md). Otherwise float32. The same on every
+    backend."""
     if name == "auto":
-        return torch.float16 if cfg.head_dim % 8 == 0 and kernels.load() is not None else torch.float32
-    if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {['auto', *KV_CACHE_DTYPES]}, got {name!r}")
-    return KV_CACHE_DTYPES[name]
+        return torch.float16 if cfg.head_dim % 8 == 0 else torch.float32
+    if name not in KV_TORCH_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {name!r}")
+    return KV_TORCH_DTYPES[name]
 
-
-ACTIVATION_DTYPES = ("auto", "float32", "int8")
 
 
 def use_int8_activations(name: str, model: LlamaForCausalLM) -> bool:
-    """Whether `activation_dtype` `name` runs the 4-bit layer matrices on 8-bit activations: "int8" and
-    "auto" do where the model has 4-bit blocks (a GGUF Q4 model: activations are quantized only where
-    the weights already are, as llama.cpp does) and the C kernels are built; "float32" never does."""
+    """Whether the layer matrices held as 4-bit blocks run on activations quantized to 8 bits: "auto"
+    does for a model with 4-bit blocks (a GGUF Q4 model: activations are quantized only where the weights
+    already are, as llama.cpp does), on every backend; "int8" must find 4-bit blocks or raises
+    `ValueError`; "float32" never does."""
     if name not in ACTIVATION_DTYPES:
         raise ValueError(f"activation_dtype must be one of {list(ACTIVATION_DTYPES)}, got {name!r}")
-    has_q4 = any(isinstance(m, Linear) and m.blocks is not None and len(m.blocks) == 3 for m in model.modules())
-    return name != "float32" and has_q4 and kernels.load() is not None
+    has_q4 = any(isinstance(m, Linear) and m.blocks is not None and m.blocks.kind == "q4" for m in model.modules())
+    if name == "int8" and not has_q4:
+        raise ValueError("--activation-dtype int8: this model has no 4-bit weight blocks, and int8 activations "
+                         "run only before 4-bit products; load it with --dtype q4, or use float32 or auto")
+    return name != "float32" and has_q4
+
+
+def weight_formats(model: LlamaForCausalLM) -> str:
+    """The layer matrices' storage, counted, e.g. "4-bit blocks x210, 8-bit blocks x1"."""
+    counts: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, Linear):
+            kind = {"q4": "4-bit blocks", "q8": "8-bit blocks"}[m.blocks.kind] if m.blocks is not None \
+                else str(m.weight.dtype).replace("torch.", "")
+            counts[kind] = counts.get(kind, 0) + 1
+    return ", ".join(f"{kind} x{n}" for kind, n in sorted(counts.items()))
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype = torch.float32) -> int:
@@ -61,29 +75,26 @@ def gather_logprobs(logits: torch.Tensor, chosen: torch.Tensor, num_top: list[in
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, seed: int = 0,
-                 use_kernels: bool = True, logprobs_mode: str = "raw", kv_dtype: torch.dtype = torch.float32,
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, backend: TorchBackend,
+                 seed: int = 0, logprobs_mode: str = "raw", kv_dtype: torch.dtype = torch.float32,
                  int8_activations: bool = False):
         if logprobs_mode not in ("raw", "processed"):
             raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
         self.logprobs_mode = logprobs_mode
         self.model = model
-        self.int8_activations = int8_activations  # applied to the model before each step (it may be shared)
+        self.backend = backend
+        self.int8_activations = int8_activations
         self.config = model.config
         self.block_size = block_size
         cfg = self.config
         self.kv_caches = [KVCache(cfg.num_kv_heads, num_blocks * block_size, cfg.head_dim, kv_dtype)
                           for _ in range(cfg.num_layers)]
-        self.sampler = Sampler(torch.Generator().manual_seed(seed), use_kernels=use_kernels)
-        self.kernel_lib = kernels.load() if use_kernels else None
+        self.sampler = Sampler(backend, torch.Generator().manual_seed(seed))
         self.penalties = PenaltyState(cfg.vocab_size)
         self.allowed_masks: dict[str, torch.Tensor] = {}  # request id -> (V,) mask, built once
 
     def run_model(self, input_ids: torch.Tensor, meta: AttentionMetadata, logits_rows: torch.Tensor) -> torch.Tensor:
-        """The model's forward on this runner's KV cache, with this runner's activation precision (the
-        model may be shared with another runner that uses the other one)."""
-        if self.model.int8_activations != self.int8_activations:
-            self.model.set_int8_activations(self.int8_activations)
+        """The model's forward on this runner's KV cache."""
         return self.model(input_ids, meta, self.kv_caches, logits_rows)
 
     def remove_request(self, request_id: str) -> None:
@@ -138,18 +149,19 @@ class ModelRunner:
                     mask = torch.arange(end).unsqueeze(0) <= torch.arange(start, end).unsqueeze(1)
                     slots = torch.tensor(self._slots(req, 0, end), dtype=torch.long)
                     prefills.append(PrefillSeq(q_start, n, end, slots, mask))
-                if self.int8_activations:  # rows attend as decodes of their positions (see PrefillSeq)
+                if self.int8_activations and self.backend.attends_prompts_as_decodes:  # see PrefillSeq
                     prefills[-1].row_ctx_lens = torch.arange(start + 1, end + 1)
         meta = AttentionMetadata(positions=torch.tensor(positions, dtype=torch.long),
                                  slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),
-                                 num_decodes=num_decodes, prefills=prefills, kernel_lib=self.kernel_lib)
+                                 num_decodes=num_decodes, prefills=prefills, backend=self.backend,
+                                 int8_activations=self.int8_activations)
         if num_decodes:
             self._decode_metadata(sched.requests[:num_decodes], meta)
         return (torch.tensor(input_ids, dtype=torch.long), meta,
                 torch.tensor(logits_rows, dtype=torch.long), sample_reqs, prompt_rows)
 
     def _decode_metadata(self, reqs: list[Request], meta: AttentionMetadata) -> None:
-        """Cache slots of every decode's context, padded to the longest, with a -inf bias on padding."""
+        """Cache slots of every decode's context, padded to the longest, and the context lengths."""
         bs = self.block_size
         ctx = torch.tensor([r.num_computed_tokens + 1 for r in reqs], dtype=torch.long)
         max_ctx = int(ctx.max())
@@ -161,11 +173,6 @@ class ModelRunner:
         pos = torch.arange(max_ctx)
         meta.decode_slots = table[:, pos // bs] * bs + pos % bs  # (Bd, Tmax)
         meta.decode_ctx_lens = ctx
-        if self.kernel_lib is not None:
-            return
-        bias = torch.zeros(len(reqs), max_ctx, dtype=torch.float32)
-        bias.masked_fill_(pos.unsqueeze(0) >= ctx.unsqueeze(1), float("-inf"))
-        meta.decode_bias = bias.view(1, len(reqs), 1, max_ctx)
 
     def execute(self, sched: SchedulerOutput) -> tuple[list[int | None], dict[int, TokenLogprobs]]:
         """Runs one step; returns the sampled token of each scheduled request (None for chunks that

@@ -8,7 +8,7 @@ from typing import Optional, Sequence, Union
 
 from tqdm import tqdm
 
-from nanoserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from nanoserve.config import EngineConfig
 from nanoserve.engine.core import EngineCore
 from nanoserve.frontend.output_processor import OutputProcessor
 from nanoserve.frontend.tokenizer import engine_requests, load_tokenizer
@@ -28,22 +28,11 @@ def logprob_entry(token: int, lp: TokenLogprobs) -> dict[int, Logprob]:
 
 
 class LLM:
-    def __init__(self, model: Optional[str] = None, dtype: str = "auto", *, max_model_len: int = 0,
-                 max_num_seqs: int = 128, max_num_batched_tokens: int = 2048, block_size: int = 16,
-                 kv_cache_memory: int = 2 << 30, num_kv_blocks: Optional[int] = None,
-                 enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto", activation_dtype: str = "auto",
-                 seed: int = 0,
-                 num_threads: Optional[int] = None,
-                 logprobs_mode: str = "raw", max_logprobs: int = 20):
+    def __init__(self, model: Optional[str] = None, **engine_args):
+        """`engine_args`: any engine option by its field name in nanoserve.config (the same options as
+        the CLI's flags, with the same defaults), e.g. `LLM(path, dtype="q4", kv_cache_dtype="float32")`."""
         self.model_path = model or default_model_path()
-        self.config = EngineConfig(
-            model=self.model_path, dtype=dtype, activation_dtype=activation_dtype, seed=seed, num_threads=num_threads,
-            logprobs_mode=logprobs_mode, max_logprobs=max_logprobs,
-            cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
-                              kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
-                              kv_cache_dtype=kv_cache_dtype),
-            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
-                                      max_num_seqs=max_num_seqs, max_model_len=max_model_len))
+        self.config = EngineConfig.from_kwargs(self.model_path, **engine_args)
         self.engine = EngineCore(self.config)  # first: its errors name the model file most clearly
         self.tokenizer = load_tokenizer(self.model_path)
         self._ids = itertools.count()

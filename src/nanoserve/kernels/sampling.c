@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "abi.h"
 #include "vec_math.h"
 
 static inline uint32_t mix32(uint32_t h) {
@@ -394,21 +395,22 @@ static float apply_sparse(float *x, float *y, const float *src, int64_t V, const
     return recheck ? row_max(x, V) : mx;
 }
 
-/* logits: (B, V) float32. Per row: temperature (0 = greedy), min_p (0 = off), top_k (>= V = off),
- * top_p (1 = off), keys (B, 2) uint32 in int64. allowed_row, penalty_row: -1 or a row of `allowed`
- * (A, V) / of the penalty state (seen_tokens (R, seen_stride) int32 with num_seen (R,) entries each,
- * output_counts (R, V) int32); bans and biases as CSR lists (offsets of length B + 1). When
- * write_work, work (B, V) receives each row's processed logits (greedy rows: after the processors
- * only; others also divided by their temperature, dropped tokens at -inf); otherwise it is not touched
- * and each row works in a per-thread buffer that stays in cache. */
-void sample_rows(const float *logits, float *work, int64_t write_work, int64_t B, int64_t V,
-                 const float *temperature, const float *min_p, const int64_t *top_k, const float *top_p,
-                 const int64_t *keys, const uint8_t *allowed, const int64_t *allowed_row,
-                 const int64_t *ban_offsets, const int64_t *ban_tokens, const int64_t *bias_offsets,
-                 const int64_t *bias_tokens, const float *bias_values, const int32_t *seen_tokens,
-                 const int64_t *num_seen, int64_t seen_stride, const int32_t *output_counts,
-                 const int64_t *penalty_row, const float *repetition, const float *frequency,
-                 const float *presence, int64_t *tokens) {
+/* The chain over a batch (abi.h's SampleArgs). When write_work, work (B, V) receives each row's
+ * processed logits (greedy rows: after the processors only; others also divided by their temperature,
+ * dropped tokens at -inf); otherwise it is not touched and each row works in a per-thread buffer that
+ * stays in cache. */
+void sample_rows(const SampleArgs *a) {
+    const float *logits = a->logits, *temperature = a->temperature, *min_p = a->min_p, *top_p = a->top_p;
+    const float *bias_values = a->bias_values, *repetition = a->repetition, *frequency = a->frequency;
+    const float *presence = a->presence;
+    const int64_t *top_k = a->top_k, *keys = a->keys, *allowed_row = a->allowed_row, *ban_offsets = a->ban_offsets;
+    const int64_t *ban_tokens = a->ban_tokens, *bias_offsets = a->bias_offsets, *bias_tokens = a->bias_tokens;
+    const int64_t *num_seen = a->num_seen, *penalty_row = a->penalty_row;
+    const int32_t *seen_tokens = a->seen_tokens, *output_counts = a->output_counts;
+    const uint8_t *allowed = a->allowed;
+    const int64_t write_work = a->write_work, B = a->batch, V = a->vocab, seen_stride = a->seen_stride;
+    float *work = a->work;
+    int64_t *tokens = a->tokens;
 #pragma omp parallel
     {
         /* Per-thread scratch: the row, candidates for top-k / top-p, the heap for top-k (also the race's

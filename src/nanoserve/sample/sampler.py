@@ -5,14 +5,14 @@ temperature, filtered by min_p, then by top-k and top-p (one sort for the whole 
 own thresholds), and drawn by the exponential race `argmax(p / q)`, `q ~ Exp(1)`, which picks token i
 with probability p_i. The noise is a counter-based hash of the row's key and the token id; a seeded
 row's key comes from (seed, output position), so its draws never depend on the batch. The chain runs
-in one C call (kernels/sampling.c) when the kernels are built, else as the PyTorch code below."""
+in one C call (kernels/sampling.c) on the C backend, else as the PyTorch code below."""
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
 
-from nanoserve import kernels
+from nanoserve.kernels.backend import TorchBackend
 from nanoserve.sample.metadata import SamplingMetadata, small_tensor
 from nanoserve.sample.penalties import PenaltyState, apply_penalties
 
@@ -168,9 +168,9 @@ def _offsets(rows: torch.Tensor, batch: int) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, generator: Optional[torch.Generator] = None, use_kernels: bool = True):
+    def __init__(self, backend: TorchBackend, generator: Optional[torch.Generator] = None):
         self.generator = generator or torch.Generator().manual_seed(0)
-        self.lib = kernels.load() if use_kernels else None
+        self.backend = backend
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata,
                  penalties: Optional[PenaltyState] = None) -> torch.Tensor:
@@ -184,7 +184,7 @@ class Sampler:
         if md.all_greedy and not md.has_processors:
             return logits.argmax(dim=-1), logits
         keys = None if md.all_greedy else noise_keys(md.seeds, md.positions, self.generator)
-        if self.lib is not None:
+        if self.backend.has_sampler_kernel:
             return self._sample_kernel(logits.contiguous(), md, penalties, keys)
         if md.has_processors:
             logits = apply_processors(logits, md, penalties)
@@ -204,7 +204,7 @@ class Sampler:
         top_k = md.top_k if md.top_k is not None else torch.full((batch,), vocab)
         top_p = md.top_p if md.top_p is not None else torch.ones(batch)
         min_p = md.min_p if md.min_p is not None else torch.zeros(batch)
-        allowed, allowed_row = torch.zeros(1, dtype=torch.bool), none
+        allowed, allowed_row = torch.zeros(1, 1, dtype=torch.bool), none
         if md.allowed_rows is not None:
             allowed, allowed_row = md.allowed_mask.contiguous(), none.clone()
             allowed_row[md.allowed_rows] = torch.arange(len(md.allowed_rows))
@@ -215,8 +215,8 @@ class Sampler:
         bias_tokens, bias_values, bias_offsets = empty_i, empty_f, torch.zeros(batch + 1, dtype=torch.int64)
         if md.bias is not None:
             bias_tokens, bias_values, bias_offsets = md.bias[1], md.bias[2], _offsets(md.bias[0], batch)
-        seen, num_seen, counts = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64), \
-            torch.zeros(1, dtype=torch.int32)
+        seen, num_seen = torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)
+        counts = torch.zeros(1, 1, dtype=torch.int32)
         penalty_row, rep, freq, pres = none, torch.ones(batch), torch.zeros(batch), torch.zeros(batch)
         if md.penalty_rows is not None:
             seen, num_seen, counts = penalties.seen_tokens, penalties.num_seen, penalties.output_counts
@@ -226,11 +226,12 @@ class Sampler:
             freq[md.penalty_rows] = md.frequency
             pres[md.penalty_rows] = md.presence
         keys = keys if keys is not None else torch.zeros(batch, 2, dtype=torch.int64)
-        args = [logits, work, int(md.need_processed), batch, vocab, temperature, min_p, top_k.to(torch.int64), top_p,
-                keys, allowed, allowed_row, ban_offsets, ban_tokens, bias_offsets, bias_tokens, bias_values, seen,
-                num_seen, seen.shape[-1], counts, penalty_row, rep, freq, pres, tokens]
-        args = [a if isinstance(a, int) else a.contiguous() for a in args]  # kept alive through the call
-        self.lib.sample_rows(*[a if isinstance(a, int) else a.data_ptr() for a in args])
+        self.backend.sample_rows(
+            logits, work, tokens, temperature=temperature, min_p=min_p, top_k=top_k.to(torch.int64), top_p=top_p,
+            keys=keys, allowed=allowed, allowed_row=allowed_row, ban_offsets=ban_offsets, ban_tokens=ban_tokens,
+            bias_offsets=bias_offsets, bias_tokens=bias_tokens, bias_values=bias_values, seen_tokens=seen,
+            num_seen=num_seen, output_counts=counts, penalty_row=penalty_row, repetition=rep, frequency=freq,
+            presence=pres, write_work=md.need_processed)
         return tokens, work if md.need_processed else None
 
     def _sample_torch(self, logits, md, keys):

@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Optional
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
@@ -63,8 +64,8 @@ def create_app(settings: ServerSettings, tokenizer) -> FastAPI:
         except EngineDeadError as exc:
             logger.error("%s", exc)
             os._exit(1)
-        state["ready"], state["max_model_len"] = True, info.max_model_len
-        logger.info("engine core ready: max_model_len %d", info.max_model_len)
+        state["ready"], state["max_model_len"], state["compute"] = True, info.max_model_len, info.compute
+        logger.info("engine core ready: max_model_len %d; %s", info.max_model_len, info.compute.summary())
         while not llm.dead:  # engine-wide gauges follow the latest stats the core sent
             if llm.stats is not None:
                 metrics.update_engine(llm.stats)
@@ -140,7 +141,9 @@ def create_app(settings: ServerSettings, tokenizer) -> FastAPI:
 
     @app.get("/version")
     async def version():
-        return {"version": nanoserve.__version__}
+        compute = state.get("compute")
+        return {"version": nanoserve.__version__,
+                "compute": None if compute is None else msgspec.structs.asdict(compute)}
 
     @app.get("/metrics")
     async def metrics_endpoint():

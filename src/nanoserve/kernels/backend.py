@@ -1,0 +1,323 @@
+"""The compute backend: chosen once per engine (`select_backend`) and passed down to the layers, the
+attention and the sampler, which never look anything up themselves. `TorchBackend` is plain PyTorch
+and defines what every kernel must compute; `CKernelBackend` runs the C kernels where they fit the
+shapes (it alone answers "can this kernel run this shape") and the reference elsewhere. Both compute
+the same numbers up to float32 rounding: formats (int8 activations, float16 KV, 4-bit weights) are
+decided by the engine, not by which backend runs them."""
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve.config import KERNEL_CHOICES
+from nanoserve.kernels import abi
+from nanoserve.kernels.abi import check
+from nanoserve.kernels.blocks import BlockWeight, quantize_activations
+
+logger = logging.getLogger(__name__)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in Hugging Face's `rotate_half` convention; x (T, heads, D), cos/sin (T, D)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+
+class TorchBackend:
+    """Every operation in PyTorch: the reference the C kernels are tested against."""
+    name = "torch"
+    isa: Optional[str] = None
+    SMALL_STEP_ROWS = 4  # bfloat16 weights: below this many rows, multiply in bfloat16
+
+    def describe(self) -> str:
+        return "PyTorch"
+
+    # ---------------------------------------------------------------------------- matrix products
+    def linear(self, x: torch.Tensor, layer, int8: bool) -> torch.Tensor:
+        """x (M, K) float32 times `layer`'s weight (no bias). int8: x quantized per block first, for a
+        layer with 4-bit blocks; its float weight then equals the dequantized blocks (model.registry)."""
+        if int8 and layer.blocks is not None and layer.blocks.kind == "q4":
+            x = quantize_activations(x)
+        return self.dense_linear(x, layer)
+
+    def dense_linear(self, x: torch.Tensor, layer) -> torch.Tensor:
+        if layer.onednn_weight is not None and x.dim() == 2 and x.dtype == torch.float32:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), layer.onednn_weight, None, "none", [], "")
+        w = layer.weight
+        if w.dtype == x.dtype:
+            return F.linear(x, w)
+        if x.shape[0] <= self.SMALL_STEP_ROWS:
+            return F.linear(x.to(w.dtype), w).to(x.dtype)
+        return F.linear(x, w.to(x.dtype))
+
+    # ------------------------------------------------------------------------- elementwise steps
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return F.rms_norm(x, weight.shape, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rope_write_kv(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                      cos: torch.Tensor, sin: torch.Tensor, cache, slots: torch.Tensor) -> None:
+        """qkv (T, (H + 2 KVH) D), rows contiguous: rotates q and k in place, writes k and v to the cache."""
+        n, qk_width = qkv.shape[0], (num_heads + num_kv_heads) * head_dim
+        qk = qkv[:, :qk_width].view(n, num_heads + num_kv_heads, head_dim)
+        qk.copy_(rotate(qk, cos, sin))
+        v = qkv[:, qk_width:].view(n, num_kv_heads, head_dim)
+        cache.k.index_copy_(1, slots, qk[:, num_heads:].transpose(0, 1).to(cache.k.dtype))
+        cache.v.index_copy_(1, slots, v.transpose(0, 1).to(cache.v.dtype))
+
+    # ----------------------------------------------------------------------------------- attention
+    attends_prompts_as_decodes = False  # see PrefillSeq.row_ctx_lens
+
+    def decode_attention(self, q: torch.Tensor, cache, slots: torch.Tensor, ctx_lens: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+        """q (B, H, D): row b attends to the first ctx_lens[b] of its cache slots (B, T). -> (B, H, D)."""
+        batch, num_heads, head_dim = q.shape
+        num_kv_heads, max_ctx = cache.k.shape[0], slots.shape[1]
+        qd = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
+        flat = slots.reshape(-1)
+        shape = (num_kv_heads, batch, max_ctx, head_dim)
+        keys = torch.index_select(cache.k, 1, flat).view(shape).float()  # (KVH, B, T, D)
+        values = torch.index_select(cache.v, 1, flat).view(shape).float()
+        scores = torch.matmul(qd, keys.transpose(-1, -2)) * scale  # (KVH, B, G, T)
+        padding = torch.arange(max_ctx).unsqueeze(0) >= ctx_lens.unsqueeze(1)  # (B, T)
+        scores.masked_fill_(padding.view(1, batch, 1, max_ctx), float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1), values)  # (KVH, B, G, D)
+        return out.transpose(0, 1).reshape(batch, num_heads, head_dim)
+
+    # ------------------------------------------------------------------------- whole decode layers
+    def fused_decode_layers(self, model, x: torch.Tensor, caches, meta) -> bool:
+        """Runs every layer of a decode-only step in one kernel call each, updating x in place; False
+        (nothing done) where this backend or the step cannot."""
+        return False
+
+    # ------------------------------------------------------------------------------------ sampling
+    has_sampler_kernel = False
+
+
+class CKernelBackend(TorchBackend):
+    """The C kernels (kernels/*.c) for the shapes they run; the reference for the others."""
+    name = "c"
+    BLOCK_GEMM_MAX_ROWS = 64  # up to here products run on the blocks; beyond, the float GEMM is faster
+
+    def __init__(self, lib: ctypes.CDLL, build_key: str, isa: str, num_threads: int):
+        self.lib, self.build_key, self.isa = lib, build_key, isa
+        lib.ns_set_num_threads(num_threads)
+        self._layers: dict[int, tuple] = {}  # id(DecoderLayer) -> (its block weights, C struct), built once
+        self._caches: dict[int, tuple] = {}  # id(KVCache) -> (k, v, KVCacheRef)
+
+    def describe(self) -> str:
+        return f"C kernels ({self.isa}, build {self.build_key})"
+
+    # ---------------------------------------------------------------------------- matrix products
+    def linear(self, x, layer, int8):
+        blocks = layer.blocks
+        if blocks is not None and x.dtype == torch.float32 and x.dim() == 2:
+            if int8 and blocks.kind == "q4":
+                return self.block_linear(x, blocks, int8=True)
+            if x.shape[0] <= self.BLOCK_GEMM_MAX_ROWS:
+                return self.block_linear(x, blocks, int8=False)
+        return self.dense_linear(x, layer)
+
+    def block_struct(self, w: BlockWeight):
+        if w.c_struct is None:
+            for t in w.tensors():
+                check("BlockWeight", "blocks", t, t.dtype, (None, None), {})
+            n, k = w.shape
+            w.c_struct = abi.BlockWeight(w.quants.data_ptr(), w.scales.data_ptr(), abi.pointer(w.mins), n, k)
+        return w.c_struct
+
+    def block_linear(self, x: torch.Tensor, w: BlockWeight, int8: bool) -> torch.Tensor:
+        """x (M, K) float32 times blocks (N, K) -> (M, N); int8 (4-bit blocks): x quantized per block."""
+        if int8 and w.kind != "q4":
+            raise ValueError("int8 activations run on 4-bit blocks only")
+        n, k = w.shape
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], n)
+        args = abi.LinearArgs(check("linear", "x", x, torch.float32, ("M", k), {}), out.data_ptr(),
+                              ctypes.addressof(self.block_struct(w)), x.shape[0], int(int8))
+        self.lib.ns_linear(args)
+        return out
+
+    # ------------------------------------------------------------------------- elementwise steps
+    def rms_norm(self, x, weight, eps):
+        if x.dim() != 2 or x.dtype != torch.float32:
+            return super().rms_norm(x, weight, eps)
+        x = x.contiguous()
+        sizes: dict = {}
+        out = torch.empty_like(x)
+        self.lib.ns_rms_norm(abi.RmsNormArgs(
+            check("rms_norm", "x", x, torch.float32, ("rows", "dim"), sizes),
+            check("rms_norm", "weight", weight, torch.float32, ("dim",), sizes), out.data_ptr(),
+            x.shape[0], x.shape[1], eps))
+        return out
+
+    def silu_mul(self, gate_up):
+        if gate_up.dim() != 2 or gate_up.dtype != torch.float32 or gate_up.shape[1] % 2:
+            return super().silu_mul(gate_up)
+        gate_up = gate_up.contiguous()
+        rows, width = gate_up.shape
+        out = torch.empty(rows, width // 2)
+        self.lib.ns_silu_mul(abi.SiluMulArgs(check("silu_mul", "gate_up", gate_up, torch.float32, (rows, width), {}),
+                                             out.data_ptr(), rows, width // 2))
+        return out
+
+    def cache_ref(self, cache):
+        """The KVCacheRef of one layer's cache, built once (the cache tensors live as long as the runner)."""
+        found = self._caches.get(id(cache))
+        if found is None or found[0] is not cache.k or found[1] is not cache.v:
+            sizes: dict = {}
+            kv = (torch.float32, torch.float16)
+            ref = abi.KVCacheRef(check("kv_cache", "k", cache.k, kv, ("KVH", "S", "D"), sizes),
+                                 check("kv_cache", "v", cache.v, cache.k.dtype, ("KVH", "S", "D"), sizes),
+                                 cache.k.shape[1], int(cache.k.dtype == torch.float16))
+            found = self._caches[id(cache)] = (cache.k, cache.v, ref)
+        return found[2]
+
+    def rope_write_kv(self, qkv, num_heads, num_kv_heads, head_dim, cos, sin, cache, slots):
+        if qkv.dtype != torch.float32 or qkv.stride(1) != 1:
+            return super().rope_write_kv(qkv, num_heads, num_kv_heads, head_dim, cos, sin, cache, slots)
+        s = {"T": qkv.shape[0], "D": head_dim}
+        check("rope_write_kv", "qkv", qkv, torch.float32, ("T", (num_heads + 2 * num_kv_heads) * head_dim), s,
+              contiguous=False)
+        cache_ref = self.cache_ref(cache)
+        if cache.k.shape[2] != head_dim:
+            raise abi.KernelArgumentError(f"rope_write_kv: cache head_dim {cache.k.shape[2]} != {head_dim}")
+        self.lib.ns_rope_write_kv(abi.RopeWriteKVArgs(
+            qkv.data_ptr(), check("rope_write_kv", "cos", cos, torch.float32, ("T", "D"), s),
+            check("rope_write_kv", "sin", sin, torch.float32, ("T", "D"), s),
+            check("rope_write_kv", "slots", slots, torch.int64, ("T",), s), ctypes.addressof(cache_ref),
+            qkv.stride(0), qkv.shape[0], num_heads, num_kv_heads, head_dim))
+
+    # ----------------------------------------------------------------------------------- attention
+    attends_prompts_as_decodes = True
+
+    def decode_attention_fits(self, cache_dtype: torch.dtype, head_dim: int) -> bool:
+        """The C decode attention reads a float32 cache, or a float16 one with head_dim a multiple of 8."""
+        return cache_dtype == torch.float32 or (cache_dtype == torch.float16 and head_dim % 8 == 0)
+
+    def decode_attention(self, q, cache, slots, ctx_lens, scale):
+        batch, num_heads, head_dim = q.shape
+        if not self.decode_attention_fits(cache.k.dtype, head_dim):
+            return super().decode_attention(q, cache, slots, ctx_lens, scale)
+        q = q.contiguous()
+        s = {"B": batch, "D": head_dim}
+        check("decode_attention", "slots", slots, torch.int64, ("B", None), s, contiguous=False)
+        if slots.stride(1) != 1 or slots.stride(0) not in (0, slots.shape[1]):
+            slots = slots.contiguous()  # rows one after the other, or one row for all (stride 0)
+        cache_ref = self.cache_ref(cache)
+        if cache.k.shape[2] != head_dim or num_heads % cache.k.shape[0]:
+            raise abi.KernelArgumentError(f"decode_attention: q {tuple(q.shape)} does not fit the cache "
+                                          f"{tuple(cache.k.shape)}")
+        out = torch.empty_like(q)
+        self.lib.ns_decode_attention(abi.DecodeAttentionArgs(
+            check("decode_attention", "q", q, torch.float32, ("B", num_heads, "D"), s), out.data_ptr(),
+            slots.data_ptr(), check("decode_attention", "ctx_lens", ctx_lens, torch.int64, ("B",), s),
+            ctypes.addressof(cache_ref), batch, num_heads, cache.k.shape[0], head_dim, slots.stride(0), scale))
+        return out
+
+    # ------------------------------------------------------------------------- whole decode layers
+    def layer_struct(self, layer):
+        """The layer's weights as one DecodeLayerWeights (rebuilt if a projection's blocks are
+        replaced), or None when the layer cannot run as one call: a projection without blocks or with
+        a bias, q/k norms."""
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if attn.qk_norm or any(p.blocks is None or p.bias is not None for p in linears):
+            return None
+        blocks = tuple(p.blocks for p in linears)
+        found = self._layers.get(id(layer))
+        if found is None or any(a is not b for a, b in zip(found[0], blocks)):
+            s = {"hidden": layer.input_layernorm.weight.shape[0]}
+            ln1 = check("decode_layer", "ln1", layer.input_layernorm.weight, torch.float32, ("hidden",), s)
+            ln2 = check("decode_layer", "ln2", layer.post_attention_layernorm.weight, torch.float32, ("hidden",), s)
+            struct = abi.DecodeLayerWeights(
+                ln1, ln2, *[ctypes.addressof(self.block_struct(b)) for b in blocks], s["hidden"], mlp.intermediate,
+                attn.num_heads, attn.num_kv_heads, attn.head_dim, layer.input_layernorm.eps, attn.scale)
+            found = self._layers[id(layer)] = (blocks, struct)
+        return found[1]
+
+    def fused_decode_fits(self, model, rows: int, caches) -> bool:
+        cfg = model.config
+        return (0 < rows <= self.BLOCK_GEMM_MAX_ROWS and self.decode_attention_fits(caches[0].k.dtype, cfg.head_dim)
+                and cfg.head_dim % 8 == 0 and all(self.layer_struct(layer) is not None for layer in model.layers))
+
+    def fused_decode_layers(self, model, x, caches, meta):
+        rows = x.shape[0]
+        if not (meta.num_decodes == rows and not meta.prefills and self.fused_decode_fits(model, rows, caches)):
+            return False
+        cfg = model.config
+        s = {"M": rows, "D": cfg.head_dim}
+        first = self.layer_struct(model.layers[0])
+        work = torch.empty(self.lib.ns_decode_layer_work_floats(first, rows))
+        step = abi.DecodeStep(
+            check("decode_layer", "x", x, torch.float32, ("M", cfg.hidden_size), s),
+            check("decode_layer", "cos", meta.rope_cos, torch.float32, ("M", "D"), s),
+            check("decode_layer", "sin", meta.rope_sin, torch.float32, ("M", "D"), s),
+            check("decode_layer", "slot_mapping", meta.slot_mapping, torch.int64, ("M",), s),
+            check("decode_layer", "decode_slots", meta.decode_slots, torch.int64, ("M", "T"), s),
+            check("decode_layer", "ctx_lens", meta.decode_ctx_lens, torch.int64, ("M",), s),
+            work.data_ptr(), rows, s["T"], int(meta.int8_activations))
+        for layer, cache in zip(model.layers, caches):
+            self.lib.ns_decode_layer(self.layer_struct(layer), self.cache_ref(cache), step)
+        return True
+
+    # ------------------------------------------------------------------------------------ sampling
+    has_sampler_kernel = True
+
+    def sample_rows(self, logits, work, tokens, *, temperature, min_p, top_k, top_p, keys, allowed, allowed_row,
+                    ban_offsets, ban_tokens, bias_offsets, bias_tokens, bias_values, seen_tokens, num_seen,
+                    output_counts, penalty_row, repetition, frequency, presence, write_work: bool) -> None:
+        """The sampler's chain (kernels/sampling.c) for logits (B, V); see abi.h's SampleArgs."""
+        k = "sample_rows"
+        s = {"B": logits.shape[0], "V": logits.shape[1], "B+1": logits.shape[0] + 1}
+        f32, i64, i32 = torch.float32, torch.int64, torch.int32
+        args = abi.SampleArgs(
+            check(k, "logits", logits, f32, ("B", "V"), s),
+            check(k, "work", work, f32, ("B", "V") if write_work else (None,), s),
+            check(k, "temperature", temperature, f32, ("B",), s), check(k, "min_p", min_p, f32, ("B",), s),
+            check(k, "top_k", top_k, i64, ("B",), s), check(k, "top_p", top_p, f32, ("B",), s),
+            check(k, "keys", keys, i64, ("B", 2), s), check(k, "allowed", allowed, torch.bool, (None, None), s),
+            check(k, "allowed_row", allowed_row, i64, ("B",), s),
+            check(k, "ban_offsets", ban_offsets, i64, ("B+1",), s), check(k, "ban_tokens", ban_tokens, i64, (None,), s),
+            check(k, "bias_offsets", bias_offsets, i64, ("B+1",), s),
+            check(k, "bias_tokens", bias_tokens, i64, ("NB",), s), check(k, "bias_values", bias_values, f32, ("NB",), s),
+            check(k, "seen_tokens", seen_tokens, i32, ("R", None), s), check(k, "num_seen", num_seen, i64, ("R",), s),
+            check(k, "output_counts", output_counts, i32, (None, None), s),
+            check(k, "penalty_row", penalty_row, i64, ("B",), s), check(k, "repetition", repetition, f32, ("B",), s),
+            check(k, "frequency", frequency, f32, ("B",), s), check(k, "presence", presence, f32, ("B",), s),
+            check(k, "tokens", tokens, i64, ("B",), s), int(write_work), s["B"], s["V"], seen_tokens.shape[1])
+        if bool((allowed_row >= 0).any()) and allowed.shape[1] != s["V"]:
+            raise abi.KernelArgumentError(f"{k}: allowed must have one column per token ({s['V']})")
+        if bool((penalty_row >= 0).any()) and output_counts.shape[1] != s["V"]:
+            raise abi.KernelArgumentError(f"{k}: output_counts must have one column per token ({s['V']})")
+        self.lib.ns_sample_rows(args)
+
+
+def select_backend(choice: str, num_threads: int):
+    """The backend for `--kernels choice`: "c" must build and load or raises `RuntimeError` naming the
+    option and the reason; "torch" is PyTorch; "auto" is "c" where it can run, else "torch" with the
+    reason logged once (in full for a compile error)."""
+    from nanoserve.kernels.build import TARGET, KernelBuildError, load_library
+
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"kernels must be one of {list(KERNEL_CHOICES)}, got {choice!r}")
+    if choice == "torch":
+        return TorchBackend()
+    try:
+        lib, key = load_library()
+        abi.bind(lib)
+    except (KernelBuildError, RuntimeError, OSError) as exc:
+        if choice == "c":
+            raise RuntimeError(f"--kernels c: the C kernels cannot run here: {exc}") from None
+        logger.warning("C kernels unavailable, running on the PyTorch backend: %s\n(choose it on purpose, and "
+                       "silence this, with --kernels torch or NANOSERVE_KERNELS=torch)", exc)
+        return TorchBackend()
+    return CKernelBackend(lib, key, TARGET, num_threads)

@@ -1,0 +1,167 @@
+"""Compiles the C kernels for one named instruction-set target and loads the result, never a library
+built from other sources, by another compiler, with other flags, or for a CPU this one is not.
+
+The build key hashes everything that shapes the code: the sources, the compiler's path and version,
+the flags and the target. The library carries its key and the ISA features it was compiled for
+(entry.c); a cached file whose key differs, or that needs a feature this CPU lacks, is removed and
+rebuilt, never called. Builds not used for `PRUNE_AFTER_DAYS` are pruned."""
+from __future__ import annotations
+
+import ctypes
+import glob
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import sysconfig
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from nanoserve.cache import cache_dir
+
+logger = logging.getLogger(__name__)
+KERNEL_DIR = os.path.dirname(__file__)
+SOURCES = ["entry.c", "decode_attention.c", "block_linear.c", "int8_gemm.c", "elementwise.c", "sampling.c"]
+HEADERS = ["abi.h", "vec_math.h"]
+
+# The one target the vector code is written for (AVX2 and FMA intrinsics, F16C conversions): the
+# x86-64-v3 level, not -march=native, so that a build never holds instructions of the CPU that built it
+# (AVX-512 on a build host) and one build serves every AVX2 machine sharing a cache.
+TARGET = "x86-64-v3"
+TARGET_FEATURES = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe")  # /proc/cpuinfo names
+FLAGS = (f"-march={TARGET}", "-mtune=generic", "-O3", "-fassociative-math", "-fno-signed-zeros",
+         "-fno-trapping-math", "-fopenmp", "-fvisibility=hidden", "-shared", "-fPIC")
+PRUNE_AFTER_DAYS = 14
+
+
+class KernelBuildError(RuntimeError):
+    """The kernels cannot be used on this machine; the message says why (in full for a compile error)."""
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    compiler: list[str]  # argv prefix, e.g. ["gcc"] or ["ccache", "gcc"]
+    version: str  # the compiler's own `--version` first line
+
+
+def cpu_features() -> set[str]:
+    """The host CPU's feature flags as /proc/cpuinfo names them (empty where there is no such file)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def check_cpu() -> None:
+    """Raises `KernelBuildError` unless this CPU runs the x86-64-v3 target."""
+    machine = platform.machine().lower()
+    if machine not in ("x86_64", "amd64"):
+        raise KernelBuildError(f"the C kernels are written for {TARGET} (AVX2); this CPU is {machine}")
+    missing = sorted(set(TARGET_FEATURES) - cpu_features())
+    if missing:
+        raise KernelBuildError(f"the C kernels need {TARGET}; this CPU lacks {', '.join(missing)}")
+
+
+def find_toolchain() -> Toolchain:
+    compiler = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()
+    try:
+        out = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelBuildError(f"no working C compiler ({' '.join(compiler)}: {exc})") from None
+    return Toolchain(compiler, out.stdout.splitlines()[0].strip() if out.stdout else "unknown")
+
+
+def build_key(toolchain: Toolchain) -> str:
+    digest = hashlib.sha256()
+    for part in (TARGET, " ".join(FLAGS), " ".join(toolchain.compiler), toolchain.version):
+        digest.update(part.encode() + b"\0")
+    for name in SOURCES + HEADERS:
+        with open(os.path.join(KERNEL_DIR, name), "rb") as f:
+            digest.update(name.encode() + b"\0" + f.read())
+    return digest.hexdigest()[:20]
+
+
+def library_path(key: str) -> str:
+    return os.path.join(cache_dir("kernels"), f"nanoserve-kernels-{TARGET}-{key}.so")
+
+
+def compile_library(toolchain: Toolchain, key: str, path: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    cmd = [*toolchain.compiler, *FLAGS, f'-DNS_BUILD_KEY="{key}"', *[os.path.join(KERNEL_DIR, s) for s in SOURCES],
+           "-o", tmp, "-lm"]
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelBuildError(f"compiling the C kernels failed: {exc}") from None
+    if result.returncode != 0:
+        raise KernelBuildError(f"compiling the C kernels failed (exit {result.returncode}):\n$ {' '.join(cmd)}\n"
+                               f"{result.stderr.strip()}")
+    os.replace(tmp, path)
+
+
+def verify_library(lib: ctypes.CDLL, key: str) -> None:
+    """Raises `KernelBuildError` unless `lib` is the build of `key` and this CPU has every feature it
+    was compiled for. Only these two identity functions of the library run before the check."""
+    try:
+        lib.ns_build_key.restype = ctypes.c_char_p
+        lib.ns_isa_features.restype = ctypes.c_char_p
+        found = lib.ns_build_key().decode()
+        needed = set(lib.ns_isa_features().decode().split())
+    except AttributeError:
+        raise KernelBuildError("not a nanoserve kernel library") from None
+    if found != key:
+        raise KernelBuildError(f"built for key {found}, this machine needs {key}")
+    missing = sorted(needed - cpu_features())
+    if missing:
+        raise KernelBuildError(f"compiled for CPU features this CPU lacks: {', '.join(missing)}")
+
+
+def unload(lib: Optional[ctypes.CDLL]) -> None:
+    """dlclose: without it, loading the rebuilt file at the same path would return the old mapping."""
+    if lib is not None:
+        import _ctypes
+        _ctypes.dlclose(lib._handle)
+
+
+def prune_old_builds(keep: str) -> None:
+    """Removes other builds and leftovers not used (loaded) for PRUNE_AFTER_DAYS days."""
+    cutoff = time.time() - PRUNE_AFTER_DAYS * 86400
+    for path in glob.glob(os.path.join(cache_dir("kernels"), "nanoserve-kernels-*")):
+        try:
+            if path != keep and os.path.getmtime(path) < cutoff:
+                os.remove(path)
+        except OSError:
+            pass
+
+
+def load_library() -> tuple[ctypes.CDLL, str]:
+    """The compiled kernels for this machine (built on first use) and their build key. Raises
+    `KernelBuildError` with the reason when they cannot be used here."""
+    check_cpu()
+    toolchain = find_toolchain()
+    key = build_key(toolchain)
+    path = library_path(key)
+    if os.path.isfile(path):
+        lib = None
+        try:
+            lib = ctypes.CDLL(path)
+            verify_library(lib, key)
+            os.utime(path)  # marks it used, for pruning
+            return lib, key
+        except (OSError, KernelBuildError) as exc:
+            logger.warning("ignoring the cached kernel library %s (%s); rebuilding it", path, exc)
+            unload(lib)
+            os.remove(path)
+    compile_library(toolchain, key, path)
+    lib = ctypes.CDLL(path)
+    verify_library(lib, key)
+    prune_old_builds(keep=path)
+    return lib, key
+

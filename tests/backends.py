@@ -1,0 +1,19 @@
+"""The compute backends tests run on: the PyTorch reference always, and the C kernels unless this run
+turned them off (NANOSERVE_NO_KERNELS=1 or NANOSERVE_KERNELS=torch, as CI's kernel-off pass does) or
+the machine has no C compiler. Where the kernels are on, a build failure fails the run: it is not a skip."""
+import os
+import shutil
+import sysconfig
+
+import pytest
+
+from nanoserve.config import default_kernels
+from nanoserve.kernels import TorchBackend, select_backend
+
+_compiler = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()[0]
+HAS_C_COMPILER = shutil.which(_compiler) is not None
+KERNELS_ON = default_kernels() != "torch" and HAS_C_COMPILER
+TORCH = TorchBackend()
+C = select_backend("c", os.cpu_count() or 1) if KERNELS_ON else None
+DEFAULT = C or TORCH  # what an engine of this run picks with kernels="auto"
+requires_kernels = pytest.mark.skipif(not KERNELS_ON, reason="the C kernels are off in this run")
