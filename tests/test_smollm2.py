@@ -44,18 +44,37 @@ def test_greedy_matches_transformers(smollm_llm, smollm_hf, prompt_ids):
 
 
 @requires_kernels
-@pytest.mark.parametrize("int8,same_tokens", [(False, 32), (True, 8)])
-def test_both_backends_give_the_same_greedy_text(smollm_llm, prompt_ids, int8, same_tokens):
-    """The formats are decided by the engine, not by the backend: the PyTorch backend computes what the
-    C kernels compute, up to float32 rounding. Greedy text is identical with exact activations; with
-    int8 activations (rounding boundaries of 8-bit steps) it is identical for the first tokens and may
-    part later at a near-tie."""
+def test_both_backends_give_the_same_greedy_text(smollm_llm, prompt_ids):
+    """The formats are decided by the engine, not by the backend: with exact activations the PyTorch
+    backend gives the C kernels' greedy text token for token (float16 KV cache included)."""
     runs = []
     for kernels in ("c", "torch"):
-        engine = _engine(smollm_llm, "int8" if int8 else "float32", num_kv_blocks=256, kernels=kernels)
+        engine = _engine(smollm_llm, "float32", num_kv_blocks=256, kv_cache_dtype="float16", kernels=kernels)
         assert engine.backend.name == kernels
-        runs.append(_run(engine, prompt_ids, SamplingParams(temperature=0, max_tokens=same_tokens, ignore_eos=True)))
+        runs.append(_run(engine, prompt_ids, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)))
     assert runs[0] == runs[1]
+
+
+@requires_kernels
+def test_both_backends_compute_int8_activations(smollm_llm, smollm_tokenizer):
+    """With int8 activations the PyTorch backend runs the reference of the C kernels' quantization (each
+    product agrees to ~4e-7, test_kernels.py). The quantization is discontinuous: a float32 rounding
+    difference upstream moves some values across an 8-bit step, and over 30 layers the two backends
+    part as far as two int8 runs with any last-bit difference do. So this checks the format, not the
+    bits: both are int8 (not float32) and as close to each other as int8 is to float32."""
+    model = smollm_llm.engine.runner.model
+    seqs = _text_ids(smollm_tokenizer, n=2, length=120)
+
+    def run(backend, int8):
+        driver = RunnerDriver("", model=model, num_blocks=64, backend=backend, kv_dtype=torch.float16,
+                              int8_activations=int8)
+        return torch.cat(driver.run(seqs, prefill_chunk=1000, prefill_len=[100, 100])).log_softmax(-1)
+    c, ref, exact = run(C, True), run(TORCH, True), run(TORCH, False)
+
+    def kl(p, q):
+        return (p.exp() * (p - q)).sum(-1).mean().item()
+    assert kl(c, ref) < 0.01 and (c.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.9
+    assert 1e-4 < kl(ref, exact) < 0.01  # the PyTorch backend does quantize
 
 
 def test_prompt_logits_match_transformers(smollm_llm, smollm_hf, prompt_ids):

@@ -149,7 +149,7 @@ class ModelRunner:
                     mask = torch.arange(end).unsqueeze(0) <= torch.arange(start, end).unsqueeze(1)
                     slots = torch.tensor(self._slots(req, 0, end), dtype=torch.long)
                     prefills.append(PrefillSeq(q_start, n, end, slots, mask))
-                if self.int8_activations and self.backend.attends_prompts_as_decodes:  # see PrefillSeq
+                if self.int8_activations:  # rows attend as decodes of their positions (see PrefillSeq)
                     prefills[-1].row_ctx_lens = torch.arange(start + 1, end + 1)
         meta = AttentionMetadata(positions=torch.tensor(positions, dtype=torch.long),
                                  slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),

@@ -99,11 +99,11 @@ class PrefillSeq:
     ctx_len: int
     slots: torch.Tensor  # (ctx_len,) KV-cache slot of every position 0..ctx_len-1
     mask: Optional[torch.Tensor]  # (q_len, ctx_len) bool, None when plain causal from position 0
-    # (q_len,) context length of each row, when the rows attend as decodes of their own positions
-    # through the decode kernel, reading keys and values from the cache: a token's attention is then
-    # the same whether it was computed in a decode step, a prompt, a chunk or a recomputation after
-    # preemption (the runner asks for it with int8 activations, which would amplify the last-bit
-    # differences between the two paths).
+    # (q_len,) context length of each row, when the rows attend as decodes of their own positions,
+    # reading keys and values from the cache (through the decode kernel on the C backend): a token's
+    # attention is then the same whether it was computed in a decode step, a prompt, a chunk or a
+    # recomputation after preemption (the runner asks for it with int8 activations, which would amplify
+    # the last-bit differences between the two paths).
     row_ctx_lens: Optional[torch.Tensor] = None
 
 
@@ -151,18 +151,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
         out[:nd] = backend.decode_attention(q[:nd], cache, meta.decode_slots, meta.decode_ctx_lens, scale)
     for seq in meta.prefills:
         rows = slice(seq.q_start, seq.q_start + seq.q_len)
-        if seq.row_ctx_lens is not None:
-            slots = seq.slots if seq.slots is not None else meta.slot_mapping[rows]  # positions 0..ctx_len-1
+        slots = seq.slots if seq.slots is not None else meta.slot_mapping[rows]  # positions 0..ctx_len-1
+        if seq.row_ctx_lens is not None and backend.attends_prompts_as_decodes:
             out[rows] = backend.decode_attention(q[rows], cache, slots.unsqueeze(0).expand(seq.q_len, -1),
                                                  seq.row_ctx_lens, scale)
             continue
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # (1, H, n, D)
-        if seq.mask is None:  # a fresh prompt: its keys are exactly the new ones
+        if seq.mask is None and seq.row_ctx_lens is None:  # a fresh prompt: its keys are exactly the new ones
             kp = k[rows].transpose(0, 1).unsqueeze(0)
             vp = v[rows].transpose(0, 1).unsqueeze(0)
-        else:
-            kp = torch.index_select(cache.k, 1, seq.slots).unsqueeze(0).float()  # (1, KVH, ctx, D)
-            vp = torch.index_select(cache.v, 1, seq.slots).unsqueeze(0).float()
+        else:  # keys and values as the cache holds them (float16 included), as a decode reads them
+            kp = torch.index_select(cache.k, 1, slots).unsqueeze(0).float()  # (1, KVH, ctx, D)
+            vp = torch.index_select(cache.v, 1, slots).unsqueeze(0).float()
         o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=seq.mask, is_causal=seq.mask is None,
                                            scale=scale, enable_gqa=group > 1)
         out[rows] = o[0].transpose(0, 1)
