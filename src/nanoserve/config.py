@@ -134,8 +134,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             if meta["cli_unit"]:
                 unit, factor = meta["cli_unit"]
                 kind, shown = float, f"{default / factor:g} {unit}"
+            suffix = "" if default is None else f" (default: {shown})"  # a None default is said in the help
             parser.add_argument(flag, dest=f.name, type=kind, default=None, choices=meta["choices"],
-                                help=f"{meta['help']} (default: {shown})")
+                                help=meta["help"] + suffix)
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
