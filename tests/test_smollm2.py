@@ -265,6 +265,7 @@ def test_int8_activations_stay_close_to_float32(smollm_llm, smollm_tokenizer):
     assert not torch.equal(runs[0], runs[1])  # it did run the int8 kernels
 
 
+@requires_kernels  # a C-kernel property: PyTorch's float GEMMs round differently by batch size
 def test_int8_activations_do_not_depend_on_the_batch(smollm_llm, smollm_tokenizer):
     """With int8 activations every row of a layer matrix goes through the same operations whatever the
     step's size (kernels/int8_gemm.c), so a sequence's logits alone and inside a batch agree to float32
@@ -281,6 +282,7 @@ def test_int8_activations_do_not_depend_on_the_batch(smollm_llm, smollm_tokenize
         torch.testing.assert_close(run([seq])[0], logits, atol=1e-4, rtol=0)
 
 
+@requires_kernels  # a C-kernel property: PyTorch's float GEMMs round differently by batch size
 def test_int8_activations_same_output_alone_batched_chunked_and_preempted(smollm_llm, smollm_tokenizer):
     """int8 activations amplify any last-bit difference, so with them every step computes each token
     the same way: row-independent 8-bit products, and prefill attention through the decode kernel on
