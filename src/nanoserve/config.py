@@ -1,7 +1,8 @@
-"""Frozen configuration dataclasses: the model's shape (`ModelConfig`), the KV cache, the scheduler,
-and the root `EngineConfig` that is built once and handed to every component. The engine options'
-fields own their defaults, choices and help text: the CLI flags (`add_engine_args`) and the `LLM(...)`
-keyword arguments (`EngineConfig.from_kwargs`) are derived from them, as vLLM's EngineArgs does."""
+"""Configuration dataclasses: the model's shape (`ModelConfig`), the KV cache, the scheduler, the
+root `EngineConfig` built once and handed to every component, and the HTTP server's `ServerConfig`.
+Option fields own their defaults, choices and help text: the CLI flags (`add_option_args`) and the
+`LLM(...)` keyword arguments (`EngineConfig.from_kwargs`) are derived from them, as vLLM's EngineArgs
+does."""
 from __future__ import annotations
 
 import argparse
@@ -111,16 +112,38 @@ class EngineConfig:
                    scheduler=SchedulerConfig(**parts["scheduler"]), **parts[""])
 
 
+@dataclass
+class ServerConfig:
+    """`nanoserve serve`'s HTTP side; the launcher fills `model_path`, `address` and each API server's
+    `index`."""
+    model_path: str = ""
+    address: str = ""  # the engine core's ZMQ address
+    index: int = 0
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(8000, "port to listen on")
+    api_server_count: int = option(1, "API-server processes sharing the port")
+    api_keys: list[str] = option(help="required bearer key on /v1/* (repeatable; or NANOSERVE_API_KEY)",
+                                 flag="--api-key", default_factory=list)
+    served_model_names: list[str] = option(help="model name(s) clients use (repeatable; default: the file's "
+                                           "name)", flag="--served-model-name", default_factory=list)
+    reasoning_parser: Optional[str] = option(None, "qwen3 or deepseek_r1: reasoning text to its own field")
+    max_waiting_requests: int = option(0, "503 beyond this many waiting requests (0: no limit)")
+    allowed_origins: list[str] = option(help="CORS origin (repeatable, '*' for any)", default_factory=list)
+    drain_timeout: float = option(30.0, "seconds SIGTERM waits for in-flight requests")
+    log_level: str = option("info", "log level", choices=("debug", "info", "warning", "error"))
+
+
 def option_fields(cls) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls) if "help" in f.metadata]
 
 
 ENGINE_OPTION_CLASSES = (EngineConfig, CacheConfig, SchedulerConfig)
+_CLI_TYPES = {"int": int, "Optional[int]": int, "float": float}
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per engine option, with the dataclass's default shown in its help."""
-    for cls in ENGINE_OPTION_CLASSES:
+def add_option_args(parser: argparse.ArgumentParser, classes=ENGINE_OPTION_CLASSES) -> None:
+    """One flag per option field of `classes`, with the dataclass's default shown in its help."""
+    for cls in classes:
         for f in option_fields(cls):
             meta = f.metadata
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
@@ -129,8 +152,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                 parser.add_argument(flag, dest=f.name, action="store_const", const=not default, default=None,
                                     help=meta["help"])
                 continue
-            kind = {"int": int, "Optional[int]": int}.get(f.type, str)
-            shown = default
+            if str(f.type).startswith("list"):
+                parser.add_argument(flag, dest=f.name, action="append", default=None, help=meta["help"])
+                continue
+            kind, shown = _CLI_TYPES.get(f.type, str), default
             if meta["cli_unit"]:
                 unit, factor = meta["cli_unit"]
                 kind, shown = float, f"{default / factor:g} {unit}"
@@ -139,10 +164,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                                 help=meta["help"] + suffix)
 
 
-def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
-    """The engine options given on the command line (unset flags keep the dataclass defaults)."""
+def kwargs_from_args(args: argparse.Namespace, classes=ENGINE_OPTION_CLASSES) -> dict:
+    """The options given on the command line (unset flags keep the dataclass defaults)."""
     out = {}
-    for cls in ENGINE_OPTION_CLASSES:
+    for cls in classes:
         for f in option_fields(cls):
             value = getattr(args, f.name, None)
             if value is None:

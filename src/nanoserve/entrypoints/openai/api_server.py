@@ -10,7 +10,6 @@ import os
 import socket
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Optional
 
 import msgspec
@@ -20,6 +19,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 
 import nanoserve
+from nanoserve.config import ServerConfig
 from nanoserve.engine.client import EngineDeadError, RequestRejected
 from nanoserve.entrypoints.openai.metrics import Metrics
 from nanoserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -31,22 +31,7 @@ from nanoserve.sampling_params import field_of_error
 logger = logging.getLogger("nanoserve.api")
 
 
-@dataclass
-class ServerSettings:
-    model_path: str
-    address: str  # the engine core's ZMQ address
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_names: list[str] = field(default_factory=list)
-    api_keys: list[str] = field(default_factory=list)
-    allowed_origins: list[str] = field(default_factory=list)
-    reasoning_parser: Optional[str] = None
-    drain_timeout: float = 30.0
-    index: int = 0
-    log_level: str = "info"
-
-
-def create_app(settings: ServerSettings, tokenizer) -> FastAPI:
+def create_app(settings: ServerConfig, tokenizer) -> FastAPI:
     metrics = Metrics()
 
     def on_dead(reason: str) -> None:
@@ -206,7 +191,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run_api_server(settings: ServerSettings) -> None:
+def run_api_server(settings: ServerConfig) -> None:
     """Entry point of one API-server process."""
     import uvicorn
 

@@ -3,6 +3,7 @@ listening port and reach the core over ZMQ; forwards SIGTERM / Ctrl-C so the API
 in-flight requests; exits non-zero as soon as any of them dies on its own."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -11,15 +12,14 @@ import tempfile
 import time
 from multiprocessing.connection import wait
 
-from nanoserve.config import EngineConfig
+from nanoserve.config import EngineConfig, ServerConfig
 from nanoserve.engine.core_proc import run_engine_core
-from nanoserve.entrypoints.openai.api_server import ServerSettings, listening_socket, run_api_server
+from nanoserve.entrypoints.openai.api_server import listening_socket, run_api_server
 
 logger = logging.getLogger("nanoserve.launcher")
 
 
-def serve(config: EngineConfig, settings: ServerSettings, api_server_count: int = 1,
-          max_waiting_requests: int = 0) -> int:
+def serve(config: EngineConfig, settings: ServerConfig) -> int:
     """Runs until SIGTERM / SIGINT (returns 0 after a drain) or until a process fails (returns 1)."""
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s launcher %(levelname)s %(message)s")
     listening_socket(settings.host, settings.port).close()  # fail here, clearly, if the port is taken
@@ -30,16 +30,16 @@ def serve(config: EngineConfig, settings: ServerSettings, api_server_count: int 
     settings.address = f"ipc://{workdir}/engine.sock"
     ctx = multiprocessing.get_context("spawn")
     core = ctx.Process(target=run_engine_core, name="engine-core",
-                       args=(config, settings.address, max_waiting_requests, settings.log_level.upper()))
+                       args=(config, settings.address, settings.max_waiting_requests, settings.log_level.upper()))
     core.start()
     servers = []
-    for i in range(api_server_count):
-        s = ServerSettings(**{**settings.__dict__, "index": i})
+    for i in range(settings.api_server_count):
+        s = dataclasses.replace(settings, index=i)
         p = ctx.Process(target=run_api_server, name=f"api-server-{i}", args=(s,))
         p.start()
         servers.append(p)
     logger.info("serving %s on http://%s:%d with %d API server(s)", settings.served_model_names[0],
-                settings.host, settings.port, api_server_count)
+                settings.host, settings.port, settings.api_server_count)
 
     stopping = {"signal": None}
 
