@@ -21,10 +21,12 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(BIN)/nanoserve serve --host 127.0.0.1 --port 8000
 
-# The whole suite, then the model tests again on the PyTorch backend (C kernels off).
+# The whole suite, then the model tests again on the PyTorch backend (C kernels off), then the kernel
+# tests on the portable build of the kernels (what a CPU without AVX2 runs with --kernels c).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 	NANOSERVE_NO_KERNELS=1 $(BIN)/python -m pytest -q -m "model and not server" tests
+	NANOSERVE_KERNEL_TARGET=portable $(BIN)/python -m pytest -q tests/test_kernels.py tests/test_sampler.py
 
 # Unit tests and kernels against their PyTorch references: no real model, no server.
 test-fast: $(STAMP)

@@ -14,6 +14,7 @@ _compiler = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").spl
 HAS_C_COMPILER = shutil.which(_compiler) is not None
 KERNELS_ON = default_kernels() != "torch" and HAS_C_COMPILER
 TORCH = TorchBackend()
-C = select_backend("c", os.cpu_count() or 1) if KERNELS_ON else None
+# NANOSERVE_KERNEL_TARGET=portable: the kernel tests on the portable build (CI runs them both ways).
+C = select_backend("c", os.cpu_count() or 1, os.environ.get("NANOSERVE_KERNEL_TARGET") or None) if KERNELS_ON else None
 DEFAULT = C or TORCH  # what an engine of this run picks with kernels="auto"
 requires_kernels = pytest.mark.skipif(not KERNELS_ON, reason="the C kernels are off in this run")

@@ -36,13 +36,14 @@ def test_a_foreign_library_in_the_cache_is_replaced_not_loaded(empty_cache, capl
     """A library planted under this machine's cache name, built for another key (other sources, compiler,
     flags or target: what a shared cache can hold), is refused and rebuilt; so is one whose key matches
     but that was compiled for CPU features this CPU lacks (AVX-512 on an AVX2 host)."""
-    key = build.build_key(build.find_toolchain())
-    path = build.library_path(key)
+    target = build.choose_target()
+    key = build.build_key(build.find_toolchain(), target)
+    path = build.library_path(key, target)
     os.makedirs(os.path.dirname(path))
     fake_library(empty_cache / "foreign.so", "0123456789abcdef0123", "avx2 fma")
     os.replace(empty_cache / "foreign.so", path)
     with caplog.at_level(logging.WARNING, logger="nanoserve.kernels.build"):
-        lib, loaded_key = build.load_library()
+        lib, loaded_key, _ = build.load_library()
     assert loaded_key == key and lib.ns_build_key() == key.encode()
     assert "built for key 0123456789abcdef0123" in caplog.text
     abi.bind(lib)  # the real library: ABI version and struct sizes agree
@@ -55,15 +56,34 @@ def test_a_foreign_library_in_the_cache_is_replaced_not_loaded(empty_cache, capl
 
 
 def test_the_build_key_covers_compiler_flags_and_target(monkeypatch):
-    tools = build.Toolchain(["gcc"], "gcc 12.2.0")
-    key = build.build_key(tools)
-    assert build.build_key(build.Toolchain(["gcc"], "gcc 13.1.0")) != key
-    assert build.build_key(build.Toolchain(["clang"], "gcc 12.2.0")) != key
+    tools, v3 = build.Toolchain(["gcc"], "gcc 12.2.0"), build.X86_64_V3
+    key = build.build_key(tools, v3)
+    assert build.build_key(build.Toolchain(["gcc"], "gcc 13.1.0"), v3) != key
+    assert build.build_key(build.Toolchain(["clang"], "gcc 12.2.0"), v3) != key
+    assert build.build_key(tools, build.PORTABLE) != key
+    assert build.build_key(tools, build.Target("x86-64-v3", ("-march=x86-64-v4",), v3.features)) != key
     monkeypatch.setattr(build, "FLAGS", build.FLAGS + ("-mavx512f",))
-    assert build.build_key(tools) != key
-    monkeypatch.undo()
-    monkeypatch.setattr(build, "TARGET", "x86-64-v4")
-    assert build.build_key(tools) != key
+    assert build.build_key(tools, v3) != key
+
+
+def test_targets_are_chosen_by_what_the_cpu_has(monkeypatch):
+    monkeypatch.setattr(build, "cpu_features", lambda: {"sse2", "avx"})  # an x86 CPU without AVX2
+    if build.platform.machine() in ("x86_64", "AMD64"):
+        assert build.choose_target() is build.PORTABLE
+        with pytest.raises(build.KernelBuildError, match="target x86-64-v3 needs .*avx2"):
+            build.choose_target("x86-64-v3")
+    with pytest.raises(build.KernelBuildError, match="unknown kernel target"):
+        build.choose_target("avx1024")
+    assert build.choose_target("portable") is build.PORTABLE
+
+
+def test_auto_prefers_pytorch_to_the_portable_build(monkeypatch, caplog):
+    """Where the vector build cannot run, auto takes the PyTorch backend (faster than the portable C
+    build) and says why; `--kernels c` would run the portable build."""
+    monkeypatch.setattr(build, "cpu_features", lambda: {"sse2"})
+    with caplog.at_level(logging.WARNING, logger="nanoserve.kernels.backend"):
+        assert select_backend("auto", 1).name == "torch"
+    assert "lacks" in caplog.text and "--kernels c" in caplog.text
 
 
 def test_old_builds_are_pruned(empty_cache):
@@ -88,12 +108,11 @@ def broken_compiler(tmp_path, monkeypatch, empty_cache):
     monkeypatch.setenv("CC", str(cc))
 
 
-@pytest.mark.skipif(build.platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma", "f16c"}
-                    <= build.cpu_features(), reason="the kernels do not target this CPU")
 def test_a_build_error_is_shown_in_full_and_explicit_c_kernels_fail(broken_compiler, caplog):
-    with caplog.at_level(logging.WARNING, logger="nanoserve.kernels.backend"):
-        assert select_backend("auto", 1).name == "torch"
-    assert "this compiler is broken on purpose" in caplog.text and "--kernels torch" in caplog.text
+    if not build.fits(build.X86_64_V3):  # else auto takes PyTorch before compiling anything
+        with caplog.at_level(logging.WARNING, logger="nanoserve.kernels.backend"):
+            assert select_backend("auto", 1).name == "torch"
+        assert "this compiler is broken on purpose" in caplog.text and "--kernels torch" in caplog.text
     with pytest.raises(RuntimeError, match="(?s)--kernels c: .*broken on purpose"):
         select_backend("c", 1)
 

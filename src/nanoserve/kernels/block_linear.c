@@ -4,7 +4,7 @@
  * weights, each block holds w = d * q + m with q in 0..15 (16 bytes of nibbles: byte j has weight j in
  * its low nibble and weight j + 16 in its high nibble), d and m float16 (as in a GGUF Q4_1 block). A
  * row then streams 20 bytes per 32 weights instead of 128, which bounds a decode step with few rows. */
-#include <immintrin.h>
+#include "simd.h"
 #include <stdint.h>
 #include <math.h>
 #include <stdlib.h>

@@ -1,5 +1,6 @@
-"""Compiles the C kernels for one named instruction-set target and loads the result, never a library
-built from other sources, by another compiler, with other flags, or for a CPU this one is not.
+"""Compiles the C kernels for one named instruction-set target (x86-64-v3, or a portable build of the
+same sources for any other CPU) and loads the result, never a library built from other sources, by
+another compiler, with other flags, or for a CPU this one is not.
 
 The build key hashes everything that shapes the code: the sources, the compiler's path and version,
 the flags and the target. The library carries its key and the ISA features it was compiled for
@@ -26,13 +27,28 @@ KERNEL_DIR = os.path.dirname(__file__)
 SOURCES = ["entry.c", "decode_attention.c", "block_linear.c", "int8_gemm.c", "elementwise.c", "sampling.c"]
 HEADERS = ["abi.h", "vec_math.h"]
 
-# The one target the vector code is written for (AVX2 and FMA intrinsics, F16C conversions): the
-# x86-64-v3 level, not -march=native, so that a build never holds instructions of the CPU that built it
-# (AVX-512 on a build host) and one build serves every AVX2 machine sharing a cache.
-TARGET = "x86-64-v3"
-TARGET_FEATURES = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe")  # /proc/cpuinfo names
-FLAGS = (f"-march={TARGET}", "-mtune=generic", "-O3", "-fassociative-math", "-fno-signed-zeros",
-         "-fno-trapping-math", "-fopenmp", "-fvisibility=hidden", "-shared", "-fPIC")
+
+
+@dataclass(frozen=True)
+class Target:
+    """One instruction-set target: its compiler flags and the CPU features (/proc/cpuinfo names) a
+    host needs to run it."""
+    name: str
+    flags: tuple[str, ...]
+    features: tuple[str, ...] = ()
+
+
+# The vector code is written for x86-64-v3 (AVX2, FMA, F16C), named explicitly instead of
+# -march=native so that a build never holds instructions of the CPU that built it (AVX-512 on a build
+# host) and one build serves every AVX2 machine sharing a cache. Elsewhere the same sources compile
+# with plain-C definitions of those intrinsics (vec_portable.h) for the architecture's baseline.
+X86_64_V3 = Target("x86-64-v3", ("-march=x86-64-v3", "-mtune=generic"),
+                   ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe"))
+_BASELINE = {"x86_64": ("-march=x86-64", "-mtune=generic"), "aarch64": ("-march=armv8-a",)}
+PORTABLE = Target("portable", _BASELINE.get(platform.machine().lower().replace("amd64", "x86_64"), ()))
+TARGETS = {t.name: t for t in (X86_64_V3, PORTABLE)}
+FLAGS = ("-O3", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fopenmp",
+         "-fvisibility=hidden", "-shared", "-fPIC")
 PRUNE_AFTER_DAYS = 14
 
 
@@ -58,14 +74,23 @@ def cpu_features() -> set[str]:
     return set()
 
 
-def check_cpu() -> None:
-    """Raises `KernelBuildError` unless this CPU runs the x86-64-v3 target."""
-    machine = platform.machine().lower()
-    if machine not in ("x86_64", "amd64"):
-        raise KernelBuildError(f"the C kernels are written for {TARGET} (AVX2); this CPU is {machine}")
-    missing = sorted(set(TARGET_FEATURES) - cpu_features())
-    if missing:
-        raise KernelBuildError(f"the C kernels need {TARGET}; this CPU lacks {', '.join(missing)}")
+def fits(target: Target) -> list[str]:
+    """The features `target` needs that this CPU lacks (empty: it runs here)."""
+    if target is X86_64_V3 and platform.machine().lower() not in ("x86_64", "amd64"):
+        return [f"an x86-64 CPU (this one is {platform.machine()})"]
+    return sorted(set(target.features) - cpu_features())
+
+
+def choose_target(name: Optional[str] = None) -> Target:
+    """The named target (`KernelBuildError` if this CPU cannot run it), or the fastest that fits."""
+    if name is not None:
+        if name not in TARGETS:
+            raise KernelBuildError(f"unknown kernel target {name!r} (targets: {', '.join(TARGETS)})")
+        missing = fits(TARGETS[name])
+        if missing:
+            raise KernelBuildError(f"target {name} needs {', '.join(missing)}, which this CPU lacks")
+        return TARGETS[name]
+    return X86_64_V3 if not fits(X86_64_V3) else PORTABLE
 
 
 def find_toolchain() -> Toolchain:
@@ -77,9 +102,9 @@ def find_toolchain() -> Toolchain:
     return Toolchain(compiler, out.stdout.splitlines()[0].strip() if out.stdout else "unknown")
 
 
-def build_key(toolchain: Toolchain) -> str:
+def build_key(toolchain: Toolchain, target: Target) -> str:
     digest = hashlib.sha256()
-    for part in (TARGET, " ".join(FLAGS), " ".join(toolchain.compiler), toolchain.version):
+    for part in (target.name, " ".join(target.flags + FLAGS), " ".join(toolchain.compiler), toolchain.version):
         digest.update(part.encode() + b"\0")
     for name in SOURCES + HEADERS:
         with open(os.path.join(KERNEL_DIR, name), "rb") as f:
@@ -87,14 +112,14 @@ def build_key(toolchain: Toolchain) -> str:
     return digest.hexdigest()[:20]
 
 
-def library_path(key: str) -> str:
-    return os.path.join(cache_dir("kernels"), f"nanoserve-kernels-{TARGET}-{key}.so")
+def library_path(key: str, target: Target) -> str:
+    return os.path.join(cache_dir("kernels"), f"nanoserve-kernels-{target.name}-{key}.so")
 
 
-def compile_library(toolchain: Toolchain, key: str, path: str) -> None:
+def compile_library(toolchain: Toolchain, target: Target, key: str, path: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
-    cmd = [*toolchain.compiler, *FLAGS, f'-DNS_BUILD_KEY="{key}"', *[os.path.join(KERNEL_DIR, s) for s in SOURCES],
+    cmd = [*toolchain.compiler, *target.flags, *FLAGS, f'-DNS_BUILD_KEY="{key}"', *[os.path.join(KERNEL_DIR, s) for s in SOURCES],
            "-o", tmp, "-lm"]
     try:
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -141,27 +166,28 @@ def prune_old_builds(keep: str) -> None:
             pass
 
 
-def load_library() -> tuple[ctypes.CDLL, str]:
-    """The compiled kernels for this machine (built on first use) and their build key. Raises
-    `KernelBuildError` with the reason when they cannot be used here."""
-    check_cpu()
+def load_library(target_name: Optional[str] = None) -> tuple[ctypes.CDLL, str, Target]:
+    """The compiled kernels for this machine (built on first use), their build key and target (the
+    named one, or the fastest that fits this CPU). Raises `KernelBuildError` with the reason when they
+    cannot be used here."""
+    target = choose_target(target_name)
     toolchain = find_toolchain()
-    key = build_key(toolchain)
-    path = library_path(key)
+    key = build_key(toolchain, target)
+    path = library_path(key, target)
     if os.path.isfile(path):
         lib = None
         try:
             lib = ctypes.CDLL(path)
             verify_library(lib, key)
             os.utime(path)  # marks it used, for pruning
-            return lib, key
+            return lib, key, target
         except (OSError, KernelBuildError) as exc:
             logger.warning("ignoring the cached kernel library %s (%s); rebuilding it", path, exc)
             unload(lib)
             os.remove(path)
-    compile_library(toolchain, key, path)
+    compile_library(toolchain, target, key, path)
     lib = ctypes.CDLL(path)
     verify_library(lib, key)
     prune_old_builds(keep=path)
-    return lib, key
+    return lib, key, target
 

@@ -6,7 +6,7 @@
  * sequence do); ctx_lens: (B,); out: (B, H, D). Heads of one KV group are consecutive (H = KVH * G).
  * Each (row, KV head) is one task computed in a fixed order, so a row's result does not depend on the
  * other rows. */
-#include <immintrin.h>
+#include "simd.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>

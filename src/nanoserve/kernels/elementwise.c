@@ -1,7 +1,7 @@
 /* The elementwise steps of a decoder layer, each one pass over its rows instead of several PyTorch
  * ops: SiLU(gate) * up for the MLP, and rotary embedding of q and k in place plus the write of the new
  * keys and values into the paged KV cache. */
-#include <immintrin.h>
+#include "simd.h"
 #include <stdint.h>
 #include <string.h>
 

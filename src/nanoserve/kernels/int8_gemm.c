@@ -5,7 +5,7 @@
  * whichever kernel (streaming or GEMM) runs, so a row's result does not depend on its batch. */
 /* No fused a * b + c or reordered sums that one kernel would get and the other not (the build allows both). */
 #pragma GCC optimize("fp-contract=off", "no-associative-math")
-#include <immintrin.h>
+#include "simd.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -125,12 +125,13 @@ static void unpack_group(const uint8_t *qw, const uint16_t *d, const uint16_t *m
         for (int c = 0; c < tc; c++) {                                                                      \
             wv[c] = _mm256_load_si256((const __m256i *)(wu + ((j + c) * nb + b) * 32));                     \
             dd[c] = _mm256_load_ps(dv + ((j + c) * nb + b) * 8);                                            \
-            __asm__("" : "+x"(dd[c]), "+x"(wv[c]));                                                         \
+            NS_KEEP_IN_REGISTER(dd[c]);                                                                     \
+            NS_KEEP_IN_REGISTER(wv[c]);                                                                     \
         }                                                                                                   \
         for (int r = 0; r < TR; r++) {                                                                      \
             const __m256i xv = _mm256_load_si256((const __m256i *)(qp + (b * TR + r) * 32));                \
             __m256i sv = _mm256_load_si256((const __m256i *)(sp + (b * TR + r) * 16));                      \
-            __asm__("" : "+x"(sv));                                                                         \
+            NS_KEEP_IN_REGISTER(sv);                                                                        \
             for (int c = 0; c < tc; c++) {                                                                  \
                 const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(wv[c], xv), sv);                   \
                 acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), dd[c], acc[r][c]);                       \

@@ -4,7 +4,7 @@
  * exponential race argmax(p_i / q_i), q_i = -log(u_i), done in log space as argmax(x_i - log q_i).
  * u_i is a counter-based hash of the row's 64-bit key and the token id, so a row's draws depend only on
  * its key (from its seed and output position), never on the batch around it. */
-#include <immintrin.h>
+#include "simd.h"
 #include <float.h>
 #include <math.h>
 #include <stdint.h>

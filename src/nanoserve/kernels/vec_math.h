@@ -3,7 +3,7 @@
 #ifndef NANOSERVE_VEC_MATH_H
 #define NANOSERVE_VEC_MATH_H
 
-#include <immintrin.h>
+#include "simd.h"
 #include <math.h>
 #include <stdint.h>
 
