@@ -184,3 +184,14 @@ def test_abi_structs_are_read_from_the_header():
     assert ctypes.sizeof(abi.BlockWeight) == 5 * 8 and abi.ABI_VERSION >= 2
     with pytest.raises(ValueError, match="cannot read the field"):
         abi._parse_header("#define NS_ABI_VERSION 9\ntypedef struct {\n    int64_t a;\n    unsigned b;\n} Bad;\n")
+
+
+@requires_kernels
+def test_kernel_threads_follow_num_threads():
+    """The kernels' OpenMP pool takes the engine's thread count (it is process-wide: restored after)."""
+    before = C.lib.ns_num_threads()
+    try:
+        assert select_backend("c", 1).lib.ns_num_threads() == 1
+    finally:
+        C.lib.ns_set_num_threads(before)
+    assert C.lib.ns_num_threads() == before

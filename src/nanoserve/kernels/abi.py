@@ -64,6 +64,7 @@ ENTRY_POINTS = {
     "ns_decode_layer_work_floats": ([DecodeLayerWeights, ctypes.c_int64], ctypes.c_int64),
     "ns_sample_rows": ([SampleArgs], None),
     "ns_set_num_threads": ([ctypes.c_int64], None),
+    "ns_num_threads": ([], ctypes.c_int64),
 }
 
 

@@ -110,6 +110,8 @@ NS_EXPORT void ns_decode_layer(const DecodeLayerWeights *w, const KVCacheRef *ca
 
 NS_EXPORT void ns_set_num_threads(int64_t n) { omp_set_num_threads((int)n); }
 
+NS_EXPORT int64_t ns_num_threads(void) { return omp_get_max_threads(); }
+
 NS_EXPORT int64_t ns_abi_version(void) { return NS_ABI_VERSION; }
 
 /* The build key kernels/build.py compiled this file with: a library whose key is not the one the
