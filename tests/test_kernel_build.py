@@ -75,6 +75,8 @@ def test_targets_are_chosen_by_what_the_cpu_has(monkeypatch):
     with pytest.raises(build.KernelBuildError, match="unknown kernel target"):
         build.choose_target("avx1024")
     assert build.choose_target("portable") is build.PORTABLE
+    with pytest.raises(ValueError, match="--kernel-target portable: the PyTorch backend"):
+        select_backend("torch", 1, "portable")  # an explicit target that nothing would use
 
 
 def test_auto_prefers_pytorch_to_the_portable_build(monkeypatch, caplog):

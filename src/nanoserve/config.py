@@ -15,6 +15,7 @@ WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "q4")
 ACTIVATION_DTYPES = ("auto", "float32", "int8")
 KV_CACHE_DTYPES = ("auto", "float32", "float16")
 KERNEL_CHOICES = ("auto", "c", "torch")
+KERNEL_TARGETS = ("auto", "x86-64-v3", "portable")  # kernels.build.TARGETS, by name
 LOGPROBS_MODES = ("raw", "processed")
 
 
@@ -90,6 +91,10 @@ class EngineConfig:
         help="compute backend: c = the C kernels (fails at start where they cannot build or run); torch = "
         "PyTorch only; auto = c where it runs, else torch (env: NANOSERVE_KERNELS, NANOSERVE_NO_KERNELS=1)",
         choices=KERNEL_CHOICES, default_factory=default_kernels)
+    kernel_target: str = option(
+        help="build of the C kernels: x86-64-v3 (AVX2 vector code) or portable (the same sources in plain C, "
+        "for any CPU; slower); auto: the fastest this CPU runs (env: NANOSERVE_KERNEL_TARGET)",
+        choices=KERNEL_TARGETS, default_factory=lambda: os.environ.get("NANOSERVE_KERNEL_TARGET") or "auto")
     seed: int = option(0, "engine seed (unseeded requests' noise)")
     num_threads: Optional[int] = option(None, "compute threads for PyTorch and the C kernels (default: every core)")
     logprobs_mode: str = option("raw", "raw: logprobs of the model's distribution; processed: of the one sampled "

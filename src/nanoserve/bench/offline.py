@@ -18,11 +18,13 @@ def _random_prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[li
 
 
 def run_nanoserve(model: str, dtype: str, prompts, output_len: int, max_num_batched_tokens: int,
-                  activation_dtype: str = "auto") -> float:
+                  activation_dtype: str = "auto", backend: str = "auto") -> float:
+    """`backend`: auto, c, torch, or portable (the C kernels' portable build)."""
     from nanoserve import LLM, SamplingParams
 
+    kernels = dict(kernels="c", kernel_target="portable") if backend == "portable" else dict(kernels=backend)
     llm = LLM(model, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
-              max_num_seqs=max(len(prompts), 1), activation_dtype=activation_dtype)
+              max_num_seqs=max(len(prompts), 1), activation_dtype=activation_dtype, **kernels)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate([prompts[0][:8]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
     start = time.perf_counter()
@@ -65,6 +67,8 @@ def main(argv=None) -> None:
     ap.add_argument("--dtypes", default="auto", help="nanoserve dtypes to measure, comma-separated")
     ap.add_argument("--activation-dtypes", default="auto",
                     help="nanoserve activation dtypes to measure with each of --dtypes (auto, float32, int8)")
+    ap.add_argument("--backends", default="auto",
+                    help="compute backends to measure with each of the above (auto, c, torch, portable)")
     ap.add_argument("--baseline-dtype", default="float32", help="dtype of the transformers baseline")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
@@ -90,10 +94,11 @@ def main(argv=None) -> None:
             rows.append((name, f"transformers {args.baseline_dtype}", base, 1.0))
             print(f"{name:45s} transformers {args.baseline_dtype:9s} {base:8.1f} tok/s", flush=True)
         for dtype in args.dtypes.split(","):
-            for act in args.activation_dtypes.split(","):
-                ours = run_nanoserve(model, dtype, prompts, out_len, args.max_num_batched_tokens, act)
+            for act, backend in [(a, b) for a in args.activation_dtypes.split(",") for b in args.backends.split(",")]:
+                ours = run_nanoserve(model, dtype, prompts, out_len, args.max_num_batched_tokens, act, backend)
                 ratio = ours / base if base else float("nan")
                 label = dtype if act == "auto" else f"{dtype}, {act} activations"
+                label += "" if backend == "auto" else f", {backend} backend"
                 rows.append((name, f"nanoserve {label}", ours, ratio))
                 print(f"{name:45s} nanoserve {label:12s} {ours:8.1f} tok/s  x{ratio:.2f}", flush=True)
     print("\n| workload | engine | output tok/s | vs transformers |\n|---|---|---|---|")

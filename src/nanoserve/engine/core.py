@@ -52,7 +52,8 @@ class EngineCore:
         num_threads = config.num_threads or os.cpu_count() or 1
         torch.set_num_threads(num_threads)
         torch.manual_seed(config.seed)
-        self.backend = select_backend(config.kernels, num_threads)
+        self.backend = select_backend(config.kernels, num_threads,
+                                      None if config.kernel_target == "auto" else config.kernel_target)
         sched_cfg = config.scheduler
         self.model_config, model = loaded_model or build_model(config.model, config.dtype,
                                                                sched_cfg.max_model_len)

@@ -312,6 +312,8 @@ def select_backend(choice: str, num_threads: int, target: Optional[str] = None):
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"kernels must be one of {list(KERNEL_CHOICES)}, got {choice!r}")
     if choice == "torch":
+        if target is not None:
+            raise ValueError(f"--kernel-target {target}: the PyTorch backend (--kernels torch) runs no C kernels")
         return TorchBackend()
     missing = fits(X86_64_V3)
     if choice == "auto" and target is None and missing:
