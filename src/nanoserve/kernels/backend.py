@@ -317,8 +317,8 @@ def select_backend(choice: str, num_threads: int, target: Optional[str] = None):
         return TorchBackend()
     missing = fits(X86_64_V3)
     if choice == "auto" and target is None and missing:
-        # NOTE: the portable build is correct everywhere but slow (measured on an AVX2 host: batch-1
-        # decode 5.8 tok/s against PyTorch's 13.9, 16 rows 8.0 against 103), so auto prefers PyTorch.
+        # NOTE: the portable build is correct everywhere but slow (docs/benchmarks.md, "Backends": batch-1
+        # decode 7.3 tok/s against PyTorch's 11.9, 16 prompts 6.0 against 85.6), so auto prefers PyTorch.
         logger.warning("C kernels: this CPU lacks %s (the vector kernels need %s); running on the PyTorch "
                        "backend, faster here than the portable C build (--kernels c runs that one)",
                        ", ".join(missing), X86_64_V3.name)

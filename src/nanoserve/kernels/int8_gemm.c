@@ -93,7 +93,7 @@ static inline float finish(float dx, __m256 acc, float m_term) {
  * runs the same sequence of fused multiply-adds). */
 static inline float min_term(const uint16_t *mn, const float *sum, int64_t nb) {
     float a = 0.0f;
-    for (int64_t b = 0; b < nb; b++) a = fmaf(sum[b], _cvtsh_ss(mn[b]), a);
+    for (int64_t b = 0; b < nb; b++) a = NS_FMA(sum[b], _cvtsh_ss(mn[b]), a);
     return a;
 }
 

@@ -1,8 +1,9 @@
 /* Plain-C definitions of the AVX2 / FMA / F16C intrinsics the kernels use, for the portable build
  * (any CPU the compiler targets: ARM, x86 without AVX2). The same kernel sources then compile to scalar
- * loops with the same operations, in the same order, with the same rounding (fmaf for a fused
- * multiply-add, round-to-nearest-even conversions), so the portable build computes what the vector
- * build does; it is tested against the PyTorch references like the vector build. Lanes are arrays. */
+ * loops with the same operations, in the same order, with the same rounding (round-to-nearest-even
+ * conversions; a fused multiply-add where the CPU has one), so the portable build computes what the
+ * vector build does; it is tested against the PyTorch references like the vector build. Lanes are
+ * arrays. */
 #ifndef NANOSERVE_VEC_PORTABLE_H
 #define NANOSERVE_VEC_PORTABLE_H
 
@@ -78,8 +79,15 @@ NS_INLINE __m256 _mm256_mul_ps(__m256 a, __m256 b) { NS_LANES(8) a.f[l] *= b.f[l
 NS_INLINE __m256 _mm256_div_ps(__m256 a, __m256 b) { NS_LANES(8) a.f[l] /= b.f[l]; return a; }
 NS_INLINE __m256 _mm256_max_ps(__m256 a, __m256 b) { NS_LANES(8) a.f[l] = a.f[l] > b.f[l] ? a.f[l] : b.f[l]; return a; }
 NS_INLINE __m256 _mm256_min_ps(__m256 a, __m256 b) { NS_LANES(8) a.f[l] = a.f[l] < b.f[l] ? a.f[l] : b.f[l]; return a; }
-NS_INLINE __m256 _mm256_fmadd_ps(__m256 a, __m256 b, __m256 c) { NS_LANES(8) a.f[l] = fmaf(a.f[l], b.f[l], c.f[l]); return a; }
-NS_INLINE __m256 _mm256_fnmadd_ps(__m256 a, __m256 b, __m256 c) { NS_LANES(8) a.f[l] = fmaf(-a.f[l], b.f[l], c.f[l]); return a; }
+/* Fused where the CPU fuses (fmaf is then one instruction: aarch64, x86 with FMA); elsewhere fmaf is a
+ * slow library routine, so a * b + c, which rounds twice. */
+#ifdef __FP_FAST_FMAF
+#define NS_FMA(a, b, c) fmaf(a, b, c)
+#else
+#define NS_FMA(a, b, c) ((a) * (b) + (c))
+#endif
+NS_INLINE __m256 _mm256_fmadd_ps(__m256 a, __m256 b, __m256 c) { NS_LANES(8) a.f[l] = NS_FMA(a.f[l], b.f[l], c.f[l]); return a; }
+NS_INLINE __m256 _mm256_fnmadd_ps(__m256 a, __m256 b, __m256 c) { NS_LANES(8) a.f[l] = NS_FMA(-a.f[l], b.f[l], c.f[l]); return a; }
 
 NS_INLINE __m256 _mm256_round_ps(__m256 a, int mode) {
     NS_LANES(8) {
