@@ -2,7 +2,8 @@
 products on 4/8-bit weight blocks with float32 or int8 activations, fused elementwise layer steps, whole
 decode layers, the sampler's chain), and the backend objects that run them.
 
-`build.py` compiles them for one named target and refuses any other build; `abi.py` is the typed,
+`build.py` compiles them for one named target (x86-64-v3, or the portable plain-C build of the same
+sources through simd.h) and refuses any other build; `abi.py` is the typed,
 checked boundary (one struct per call, defined once in abi.h); `blocks.py` holds the weight blocks and
 their PyTorch references; `backend.py` has `TorchBackend` (the reference) and `CKernelBackend`, one of
 which `select_backend` picks per engine."""
