@@ -17,4 +17,8 @@ TORCH = TorchBackend()
 # NANOSERVE_KERNEL_TARGET=portable: the kernel tests on the portable build (CI runs them both ways).
 C = select_backend("c", os.cpu_count() or 1, os.environ.get("NANOSERVE_KERNEL_TARGET") or None) if KERNELS_ON else None
 DEFAULT = C or TORCH  # what an engine of this run picks with kernels="auto"
-requires_kernels = pytest.mark.skipif(not KERNELS_ON, reason="the C kernels are off in this run")
+# These tests compare the C kernels with the PyTorch backend, or check properties only the C kernels
+# promise; a run without the kernels has nothing to compare (and `make test` runs them with them on).
+requires_kernels = pytest.mark.skipif(
+    not KERNELS_ON, reason="tests the C kernels, which this run turned off (NANOSERVE_NO_KERNELS=1 or "
+    "NANOSERVE_KERNELS=torch: the kernel-off pass of make test) or cannot build (no C compiler)")

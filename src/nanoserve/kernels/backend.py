@@ -34,9 +34,6 @@ class TorchBackend:
     isa: Optional[str] = None
     SMALL_STEP_ROWS = 4  # bfloat16 weights: below this many rows, multiply in bfloat16
 
-    def describe(self) -> str:
-        return "PyTorch"
-
     # ---------------------------------------------------------------------------- matrix products
     def linear(self, x: torch.Tensor, layer, int8: bool) -> torch.Tensor:
         """x (M, K) float32 times `layer`'s weight (no bias). int8: x quantized per block first, for a
@@ -112,9 +109,6 @@ class CKernelBackend(TorchBackend):
         lib.ns_set_num_threads(num_threads)
         self._layers: dict[int, tuple] = {}  # id(DecoderLayer) -> (its block weights, C struct), built once
         self._caches: dict[int, tuple] = {}  # id(KVCache) -> (k, v, KVCacheRef)
-
-    def describe(self) -> str:
-        return f"C kernels ({self.isa}, build {self.build_key})"
 
     # ---------------------------------------------------------------------------- matrix products
     def linear(self, x, layer, int8):
@@ -244,19 +238,19 @@ class CKernelBackend(TorchBackend):
             found = self._layers[id(layer)] = (blocks, struct)
         return found[1]
 
-    def fused_decode_fits(self, model, rows: int, caches) -> bool:
-        cfg = model.config
-        return (0 < rows <= self.BLOCK_GEMM_MAX_ROWS and self.decode_attention_fits(caches[0].k.dtype, cfg.head_dim)
-                and cfg.head_dim % 8 == 0 and all(self.layer_struct(layer) is not None for layer in model.layers))
-
     def fused_decode_layers(self, model, x, caches, meta):
-        rows = x.shape[0]
-        if not (meta.num_decodes == rows and not meta.prefills and self.fused_decode_fits(model, rows, caches)):
+        """Decode rows only, few enough for the block kernels, a cache the decode attention reads,
+        head_dim a multiple of 8, and every layer on blocks without biases or q/k norms."""
+        rows, head_dim = x.shape[0], model.config.head_dim
+        if not (meta.num_decodes == rows and not meta.prefills and 0 < rows <= self.BLOCK_GEMM_MAX_ROWS
+                and head_dim % 8 == 0 and self.decode_attention_fits(caches[0].k.dtype, head_dim)):
+            return False
+        layers = [self.layer_struct(layer) for layer in model.layers]
+        if any(w is None for w in layers):
             return False
         cfg = model.config
-        s = {"M": rows, "D": cfg.head_dim}
-        first = self.layer_struct(model.layers[0])
-        work = torch.empty(self.lib.ns_decode_layer_work_floats(first, rows))
+        s = {"M": rows, "D": head_dim}
+        work = torch.empty(self.lib.ns_decode_layer_work_floats(layers[0], rows))
         step = abi.DecodeStep(
             check("decode_layer", "x", x, torch.float32, ("M", cfg.hidden_size), s),
             check("decode_layer", "cos", meta.rope_cos, torch.float32, ("M", "D"), s),
@@ -265,8 +259,8 @@ class CKernelBackend(TorchBackend):
             check("decode_layer", "decode_slots", meta.decode_slots, torch.int64, ("M", "T"), s),
             check("decode_layer", "ctx_lens", meta.decode_ctx_lens, torch.int64, ("M",), s),
             work.data_ptr(), rows, s["T"], int(meta.int8_activations))
-        for layer, cache in zip(model.layers, caches):
-            self.lib.ns_decode_layer(self.layer_struct(layer), self.cache_ref(cache), step)
+        for weights, cache in zip(layers, caches):
+            self.lib.ns_decode_layer(weights, self.cache_ref(cache), step)
         return True
 
     # ------------------------------------------------------------------------------------ sampling
