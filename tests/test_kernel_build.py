@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from backends import C, TORCH, requires_kernels
-from nanoserve.kernels import abi, build, quantize_q4, select_backend
+from nanoserve.kernels import abi, build, select_backend
+from weights import random_weight
 from nanoserve.kernels.abi import KernelArgumentError
 
 
@@ -130,17 +131,17 @@ def test_cli_fails_at_start_for_options_that_cannot_run(broken_compiler, tiny_mo
         assert message in out.stderr and "Traceback" not in out.stderr
 
 
-def test_int8_activations_without_4bit_weights_fail_at_start(tiny_models):
+def test_int8_activations_without_block_weights_fail_at_start(tiny_models):
     from nanoserve.config import EngineConfig
     from nanoserve.engine.core import EngineCore
 
     def engine(**kw):
         return EngineCore(EngineConfig.from_kwargs(tiny_models["llama"], kernels="torch", num_kv_blocks=8, **kw))
-    with pytest.raises(ValueError, match="--activation-dtype int8: this model has no 4-bit weight blocks"):
+    with pytest.raises(ValueError, match="--activation-dtype int8: this model's matrices are all float"):
         engine(dtype="float32", activation_dtype="int8")
-    # With 4-bit weights it runs, on either backend.
-    compute = engine(dtype="q4", activation_dtype="int8").compute
-    assert compute.activations == "int8" and compute.backend == "torch" and compute.weights.startswith("4-bit blocks")
+    # Quantized on load, it runs, on either backend.
+    compute = engine(quantization="q4_0", activation_dtype="int8").compute
+    assert compute.activations == "int8" and compute.backend == "torch" and "Q4_0 x" in compute.weights
 
 
 @requires_kernels
@@ -158,9 +159,8 @@ def test_swapped_or_mistyped_kernel_arguments_raise():
         C.decode_attention(q, cache, ctx, slots, 0.25)  # slots and ctx_lens swapped
     with pytest.raises(KernelArgumentError, match="decode_attention: ctx_lens must be torch.int64"):
         C.decode_attention(q, cache, slots, ctx.int(), 0.25)
-    blocks = quantize_q4(torch.randn(32, 64, generator=g))
-    with pytest.raises(KernelArgumentError, match="linear: x"):
-        C.block_linear(torch.randn(3, 96, generator=g), blocks, int8=False)  # K does not match the weight
+    with pytest.raises(KernelArgumentError, match="linear: x"):  # K does not match the weight
+        C.weight_linear(torch.randn(3, 96, generator=g), random_weight("Q4_0", 32, 64), int8=False)
     with pytest.raises(KernelArgumentError, match="sample_rows: temperature"):
         logits = torch.randn(2, 10, generator=g)
         z = torch.zeros(2)
@@ -183,7 +183,7 @@ def test_abi_structs_are_read_from_the_header():
     with the compiled library's (test_a_foreign_library_in_the_cache_is_replaced_not_loaded)."""
     fields = [name for name, _ in abi.SampleArgs._fields_]
     assert fields[:3] == ["logits", "work", "temperature"] and fields[-1] == "seen_stride"
-    assert ctypes.sizeof(abi.BlockWeight) == 5 * 8 and abi.ABI_VERSION >= 2
+    assert ctypes.sizeof(abi.BlockWeight) == 8 * 8 and abi.ABI_VERSION >= 3
     with pytest.raises(ValueError, match="cannot read the field"):
         abi._parse_header("#define NS_ABI_VERSION 9\ntypedef struct {\n    int64_t a;\n    unsigned b;\n} Bad;\n")
 

@@ -1,12 +1,14 @@
-"""The C backend's kernels (paged decode attention, 4-bit and 8-bit block matrix products, fused layer
+"""The C backend's kernels (paged decode attention, matrix products on every weight type, fused layer
 steps) against the PyTorch backend, which defines them, and the model's output on either backend."""
 import pytest
 import torch
 
 from backends import C, TORCH, requires_kernels
-from nanoserve.kernels import quantize_activations, quantize_q4, quantize_q8
-from nanoserve.model.layers import KVCache
+from nanoserve.kernels import quantize_activations
+from nanoserve.kernels.quant import BLOCK_TYPES, GGML_TYPES
+from nanoserve.model.layers import KVCache, Linear
 from runner_driver import RunnerDriver
+from weights import random_weight
 
 pytestmark = requires_kernels
 
@@ -17,11 +19,12 @@ def cache_of(k: torch.Tensor, v: torch.Tensor) -> KVCache:
     return cache
 
 
-class BlockLayer:
-    """What a backend's `linear` reads of a layer: blocks and the float weight they define."""
-
-    def __init__(self, blocks):
-        self.blocks, self.weight, self.onednn_weight = blocks, blocks.dequantize(), None
+def layer_of(*parts) -> Linear:
+    """A Linear holding `parts` (stacked), with the PyTorch backend's float32 copy made."""
+    layer = Linear(parts[0].k, sum(p.shape[0] for p in parts))
+    layer.set_weight(list(parts))
+    layer.dense = torch.cat([p.dequantize() for p in layer.parts])
+    return layer
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 16), (8, 2, 24), (16, 2, 40)])
@@ -66,89 +69,84 @@ def test_model_output_same_with_and_without_kernel(tiny_models, kv_dtype):
             torch.testing.assert_close(a, b, atol=2e-2, rtol=0)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 33, 64])
-@pytest.mark.parametrize("width", [96, 448])  # 448: the GEMM's slices of K (192) with a tail
-def test_block_linear_matches_dequantized_reference(rows, width):
-    g = torch.Generator().manual_seed(rows)
-    w = torch.randn(200, width, generator=g)  # 200 weight rows: groups of 24 and tiles of 6 with tails
-    x = torch.randn(rows, width, generator=g)
-    for blocks in (quantize_q4(w), quantize_q8(w)):
-        ref = TORCH.linear(x, BlockLayer(blocks), int8=False)
-        torch.testing.assert_close(ref, x @ blocks.dequantize().T)
-        out = C.block_linear(x, blocks, int8=False)  # the streaming kernel up to 5 rows, else the GEMM
-        assert torch.allclose(out, ref, atol=1e-4, rtol=1e-5)
-        assert torch.equal(C.linear(x, BlockLayer(blocks), int8=False), out)
-        assert (blocks.dequantize() - w).abs().max() < w.abs().max() / (14 if blocks.kind == "q4" else 250)
+ALL_TYPES = list(GGML_TYPES)
+FLOAT_TYPES_ODD = ("F32", "F16", "BF16")
+ROW_COUNTS = [1, 2, 5, 8, 16, 64, 300]  # streaming (<= 5 rows), the GEMM's 8-row and 16-row panels, a prompt
 
 
-def test_block_gemm_row_does_not_depend_on_its_panel():
+@pytest.mark.parametrize("qtype", ALL_TYPES)
+def test_float_activation_product_matches_reference(qtype):
+    """Every weight type, at every row count: the product on float32 x (the streaming kernel up to 5 rows,
+    the dequantizing GEMM beyond) agrees with the float64 product of the dequantized weight to float32
+    summation error (1e-5 of the output scale)."""
+    width = 512 if qtype not in FLOAT_TYPES_ODD else 520  # float types need no whole blocks: a tail of 8
+    w = random_weight(qtype, 70, width, seed=3)  # 70 weight rows: groups of 24, tiles of 6 and 12, tails
+    exact = w.dequantize().double()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(max(ROW_COUNTS), width, generator=g)
+    for rows in ROW_COUNTS:
+        ref = (x[:rows].double() @ exact.T).float()
+        out = C.weight_linear(x[:rows], w, int8=False)
+        scale = ref.abs().max().item()
+        torch.testing.assert_close(out, ref, atol=1e-5 * scale, rtol=0, msg=f"{qtype}, {rows} rows")
+        torch.testing.assert_close(TORCH.linear(x[:rows], layer_of(w), int8=False), ref, atol=1e-5 * scale, rtol=0)
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+def test_int8_activation_product_is_the_product_with_quantized_x(qtype):
+    """On block types, int8 activations: equals x quantized per block (quant.quantize_activations) times
+    the dequantized weight, to float32 summation error, at every row count; stays within ~2% of the
+    exact product; and each output row does not depend on the rows around it."""
+    w = random_weight(qtype, 70, 512, seed=4)
+    exact = w.dequantize().double()
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(max(ROW_COUNTS), 512, generator=g)
+    x[:, 7] *= 40  # an outlier channel, as real activations have
+    full = C.weight_linear(x, w, int8=True)
+    for rows in ROW_COUNTS:
+        ref = (quantize_activations(x[:rows]).double() @ exact.T).float()
+        out = C.weight_linear(x[:rows], w, int8=True)
+        scale = ref.abs().max().item()
+        torch.testing.assert_close(out, ref, atol=1e-5 * scale, rtol=0, msg=f"{qtype}, {rows} rows")
+        torch.testing.assert_close(TORCH.linear(x[:rows], layer_of(w), int8=True), ref, atol=1e-5 * scale, rtol=0)
+        truth = (x[:rows].double() @ exact.T).float()
+        assert ((out - truth).norm() / truth.norm()).item() < 0.02
+        assert torch.equal(out, full[:rows]), f"{qtype}: row results depend on the batch ({rows} rows)"
+    assert torch.equal(C.weight_linear(torch.zeros(3, 512), w, int8=True), torch.zeros(3, 70))
+
+
+def test_gemm_row_does_not_depend_on_its_panel():
     """A step of 16p + r rows (r <= 8) runs its last panel through 8-row tiles: each output still sums
     over k in the same order as in a full 16-row panel, so results are identical."""
-    g = torch.Generator().manual_seed(2)
-    blocks = quantize_q4(torch.randn(130, 448, generator=g))
-    x = torch.randn(40, 448, generator=g)
-    full = C.block_linear(x, blocks, int8=False)
+    w = random_weight("Q4_K", 130, 512, seed=2)
+    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(2))
+    full = C.weight_linear(x, w, int8=False)
     for rows in (6, 8, 9, 17, 24, 33):  # the GEMM runs from 6 rows
-        assert torch.equal(C.block_linear(x[:rows], blocks, int8=False), full[:rows]), rows
+        assert torch.equal(C.weight_linear(x[:rows], w, int8=False), full[:rows]), rows
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 64, 70])
-@pytest.mark.parametrize("width", [64, 576])
-def test_int8_activation_gemm_is_the_product_with_quantized_x(rows, width):
-    """q4_gemm_i8 (kernels/int8_gemm.c) equals x quantized to 8 bits per block times the dequantized
-    4-bit weight, up to float32 summation, and stays within ~1% of the exact product."""
-    g = torch.Generator().manual_seed(rows)
-    w = torch.randn(101, width, generator=g) * 0.05 + 0.01  # 101 rows: groups of 24, tiles of 2 with tails
-    x = torch.randn(rows, width, generator=g)
-    x[:, 7] *= 40  # an outlier channel, as real activations have
-    blocks = quantize_q4(w)
-    weight = blocks.dequantize().double()
-    out = C.block_linear(x, blocks, int8=True)
-    ref = (quantize_activations(x).double() @ weight.T).float()
-    torch.testing.assert_close(out, ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-4)
-    torch.testing.assert_close(out, TORCH.linear(x, BlockLayer(blocks), int8=True),
-                               atol=1e-4 * ref.abs().max().item(), rtol=1e-4)
-    exact = (x.double() @ weight.T).float()
-    assert ((out - exact).norm() / exact.norm()).item() < 0.02
-    assert torch.equal(C.block_linear(torch.zeros(rows, width), blocks, int8=True), torch.zeros(rows, 101))
-    assert torch.equal(quantize_activations(torch.zeros(rows, width)), torch.zeros(rows, width))
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("rows", [1, 7])
+def test_stacked_parts_of_mixed_types(int8, rows):
+    """A fused projection whose matrices differ in type (Q4_K_M files: q and k Q4_K, v Q6_K) runs as a
+    chain of parts, each writing its own output columns; neighbours of one type are joined."""
+    parts = [random_weight("Q4_K", 40, 256, 1), random_weight("Q4_K", 8, 256, 2), random_weight("Q6_K", 8, 256, 3),
+             random_weight("F16", 16, 256, 4)]
+    layer = layer_of(*parts)
+    assert [p.qtype for p in layer.parts] == ["Q4_K", "Q6_K", "F16"]
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+    out = C.linear(x, layer, int8)
+    each = torch.cat([C.weight_linear(x, p, int8) for p in parts], dim=1)
+    assert torch.equal(out, each)
+    torch.testing.assert_close(out, TORCH.linear(x, layer, int8), atol=1e-5 * out.abs().max().item(), rtol=0)
 
 
-def test_int8_activation_gemm_row_does_not_depend_on_its_batch():
-    """Each output comes from the same operations in the same order whether the call has 1 row (the
-    streaming kernel), a few, or more than one 64-row pass of the GEMM."""
-    g = torch.Generator().manual_seed(0)
-    blocks = quantize_q4(torch.randn(130, 576, generator=g))
-    x = torch.randn(150, 576, generator=g)
-    full = C.block_linear(x, blocks, int8=True)
-    for rows in (1, 2, 3, 8, 9, 64, 65, 100):
-        assert torch.equal(C.block_linear(x[-rows:], blocks, int8=True), full[-rows:]), rows
-
-
-def test_gguf_style_blocks_round_trip_exactly():
-    """A weight made of Q4_1 blocks (d * q + m, q in 0..15) or Q8_0 blocks (d * q, |q| <= 127) comes
-    back exactly, which is what lets the default weights use the kernels without changing results."""
-    g = torch.Generator().manual_seed(1)
-    n, nb = 64, 6
-    q = torch.randint(0, 16, (n, nb, 32), generator=g).float()
-    q[..., 0], q[..., 1] = 0, 15  # the quantizer put the block's min and max at the ends of the range
-    # GGUF stores d and m as float16.
-    d = (torch.rand(n, nb, 1, generator=g) * 0.1).half().float()
-    m = (torch.randn(n, nb, 1, generator=g) * 0.1).half().float()
-    w = (q * d + m).reshape(n, nb * 32)
-    assert (quantize_q4(w).dequantize() - w).abs().max() < 1e-6
-    q8 = torch.randint(-127, 128, (n, nb, 32), generator=g).float()
-    q8[..., 0] = 127
-    w8 = (q8 * d).reshape(n, nb * 32)
-    assert (quantize_q8(w8).dequantize() - w8).abs().max() < 1e-6
-
-
-def test_default_weights_put_every_smollm2_matrix_on_exact_blocks(smollm_llm):
-    from nanoserve.model.layers import Linear
-
-    layers = [m for m in smollm_llm.engine.runner.model.modules() if isinstance(m, Linear)]
-    kinds = [m.blocks.kind if m.blocks is not None else None for m in layers]
-    assert kinds.count("q4") == 120 and kinds[-1] == "q8"  # Q4_1 layers on 4-bit blocks, the Q8_0 lm_head on 8-bit
+def test_default_weights_stay_in_the_files_form(smollm_llm):
+    model = smollm_llm.engine.runner.model
+    types = [p.qtype for layer in model.linears() for p in layer.parts]
+    assert types.count("Q4_1") == 120 and types[-1] == "Q8_0"  # every layer's Q4_1 matrices; the tied Q8_0 head
+    assert model.lm_head.parts[0] is model.embed_tokens.weight
+    assert all(layer.dense is None for layer in model.linears())  # no float32 copy on the C backend
 
 
 @pytest.mark.parametrize("rows,dim", [(1, 576), (5, 64), (3, 100)])

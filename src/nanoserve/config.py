@@ -11,7 +11,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "q4")
+WEIGHT_DTYPES = ("auto", "float32", "float16", "bfloat16")
+QUANTIZATIONS = ("none", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")  # kernels.quant.QUANTIZATIONS and "none"
 ACTIVATION_DTYPES = ("auto", "float32", "int8")
 KV_CACHE_DTYPES = ("auto", "float32", "float16")
 KERNEL_CHOICES = ("auto", "c", "torch")
@@ -81,12 +82,16 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str  # path to a .gguf file or a Hugging Face model directory
-    dtype: str = option("auto", "weights: auto = float32 plus exact 4/8-bit blocks where the file's numbers fit "
-                        "them; q4 = every matrix rounded to 4-bit blocks", choices=WEIGHT_DTYPES)
+    dtype: str = option("auto", "weight matrices: auto = as stored in the file (GGUF blocks, 16-bit or float32 "
+                        "tensors); float32 / float16 / bfloat16 = every matrix converted to that type",
+                        choices=WEIGHT_DTYPES)
+    quantization: str = option("none", "quantize the float (F32/F16/BF16) weight matrices on load to this GGUF "
+                               "block type (cached on disk); block-type matrices keep their type",
+                               choices=QUANTIZATIONS)
     activation_dtype: str = option(
-        "auto", "int8: quantize activations to 8 bits per block of 32 before the 4-bit layer matrices, as "
-        "llama.cpp does (faster; ~0.5%% error per product); float32: exact; auto: int8 for a model with "
-        "4-bit blocks (a GGUF Q4 model), else float32", choices=ACTIVATION_DTYPES)
+        "auto", "int8: quantize activations to 8 bits per block of 32 before every product on block-type "
+        "weights, as llama.cpp does (faster; ~0.5%% error per product); float32: exact; auto: int8 for a model "
+        "with block-type matrices (a quantized GGUF), else float32", choices=ACTIVATION_DTYPES)
     kernels: str = option(
         help="compute backend: c = the C kernels (fails at start where they cannot build or run); torch = "
         "PyTorch only; auto = c where it runs, else torch (env: NANOSERVE_KERNELS, NANOSERVE_NO_KERNELS=1)",

@@ -13,15 +13,26 @@ import torch
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.block_manager import BlockManager
-from nanoserve.engine.model_runner import (ModelRunner, kv_bytes_per_block, kv_cache_dtype, use_int8_activations,
-                                           weight_formats)
+from nanoserve.engine.model_runner import ModelRunner, kv_bytes_per_block, kv_cache_dtype, use_int8_activations
 from nanoserve.engine.request import Request
 from nanoserve.engine.scheduler import Scheduler
-from nanoserve.model.registry import build_model
+from nanoserve.model.registry import build_model, describe_weights, weight_bytes
 from nanoserve.kernels.backend import select_backend
 from nanoserve.protocol import ComputeInfo, EngineCoreOutput, EngineCoreRequest, SchedulerStats
 
 logger = logging.getLogger(__name__)
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (VmRSS), 0 where /proc is not there."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def keep_freed_memory() -> None:
@@ -48,7 +59,6 @@ class EngineCore:
         (tests); by default the model is loaded from `config.model`. Raises `ValueError` (or
         `RuntimeError` for `--kernels c` where they cannot run) for an explicit option that cannot run."""
         self.config = config
-        keep_freed_memory()
         num_threads = config.num_threads or os.cpu_count() or 1
         torch.set_num_threads(num_threads)
         torch.manual_seed(config.seed)
@@ -56,23 +66,30 @@ class EngineCore:
                                       None if config.kernel_target == "auto" else config.kernel_target)
         sched_cfg = config.scheduler
         self.model_config, model = loaded_model or build_model(config.model, config.dtype,
-                                                               sched_cfg.max_model_len)
+                                                               sched_cfg.max_model_len, config.quantization)
         self.max_model_len = sched_cfg.max_model_len or self.model_config.max_position_embeddings
+        keep_freed_memory()  # after loading: the loader's freed temporaries go back to the system
         cache = config.cache
         kv_dtype = kv_cache_dtype(cache.kv_cache_dtype, self.model_config)
         per_block = kv_bytes_per_block(self.model_config, cache.block_size, kv_dtype)
-        num_blocks = cache.num_kv_blocks or max(1, cache.kv_cache_memory // per_block)
+        # The KV pool: --num-kv-blocks, else the smaller of --kv-cache-memory and what max_num_seqs
+        # requests of max_model_len tokens can fill.
+        usable = -(-sched_cfg.max_num_seqs * self.max_model_len // cache.block_size)
+        num_blocks = cache.num_kv_blocks or max(1, min(cache.kv_cache_memory // per_block, usable))
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched_cfg, self.block_manager)
         int8 = use_int8_activations(config.activation_dtype, model)
         self.runner = ModelRunner(model, num_blocks, cache.block_size, self.backend, config.seed,
                                   logprobs_mode=config.logprobs_mode, kv_dtype=kv_dtype, int8_activations=int8)
         self.capacity_tokens = num_blocks * cache.block_size
-        self.compute = ComputeInfo(self.backend.name, self.backend.isa, weight_formats(model),
+        widened = self.runner.widened_bytes
+        self.compute = ComputeInfo(self.backend.name, self.backend.isa, describe_weights(model),
                                    "int8" if int8 else "float32", str(kv_dtype).replace("torch.", ""), num_threads)
         logger.info("compute: %s", self.compute.summary())
-        logger.info("KV cache: %d blocks of %d tokens (%.0f MiB)", num_blocks, cache.block_size,
-                    num_blocks * per_block / 2**20)
+        logger.info("memory: weights %.1f MiB%s, KV cache %.1f MiB (%d blocks of %d tokens), process resident "
+                    "%.1f MiB", weight_bytes(model) / 2**20,
+                    f" + {widened / 2**20:.1f} MiB float32 copies for the PyTorch backend" if widened else "",
+                    num_blocks * per_block / 2**20, num_blocks, cache.block_size, resident_bytes() / 2**20)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

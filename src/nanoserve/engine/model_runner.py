@@ -34,28 +34,18 @@ def kv_cache_dtype(name: str, cfg: ModelConfig) -> torch.dtype:
 
 
 def use_int8_activations(name: str, model: LlamaForCausalLM) -> bool:
-    """Whether the layer matrices held as 4-bit blocks run on activations quantized to 8 bits: "auto"
-    does for a model with 4-bit blocks (a GGUF Q4 model: activations are quantized only where the weights
-    already are, as llama.cpp does), on every backend; "int8" must find 4-bit blocks or raises
-    `ValueError`; "float32" never does."""
+    """Whether products on block-type weights (GGUF Q4_K, Q8_0, ...) run on activations quantized to 8
+    bits: "auto" does for a model with such weights (as llama.cpp does; float-type matrices always
+    multiply float32 activations), on every backend; "int8" must find some or raises `ValueError`;
+    "float32" never does."""
     if name not in ACTIVATION_DTYPES:
         raise ValueError(f"activation_dtype must be one of {list(ACTIVATION_DTYPES)}, got {name!r}")
-    has_q4 = any(isinstance(m, Linear) and m.blocks is not None and m.blocks.kind == "q4" for m in model.modules())
-    if name == "int8" and not has_q4:
-        raise ValueError("--activation-dtype int8: this model has no 4-bit weight blocks, and int8 activations "
-                         "run only before 4-bit products; load it with --dtype q4, or use float32 or auto")
-    return name != "float32" and has_q4
-
-
-def weight_formats(model: LlamaForCausalLM) -> str:
-    """The layer matrices' storage, counted, e.g. "4-bit blocks x210, 8-bit blocks x1"."""
-    counts: dict[str, int] = {}
-    for m in model.modules():
-        if isinstance(m, Linear):
-            kind = {"q4": "4-bit blocks", "q8": "8-bit blocks"}[m.blocks.kind] if m.blocks is not None \
-                else str(m.weight.dtype).replace("torch.", "")
-            counts[kind] = counts.get(kind, 0) + 1
-    return ", ".join(f"{kind} x{n}" for kind, n in sorted(counts.items()))
+    has_blocks = any(layer.has_blocks for layer in model.linears())
+    if name == "int8" and not has_blocks:
+        raise ValueError("--activation-dtype int8: this model's matrices are all float (F32/F16/BF16), and int8 "
+                         "activations run only before products on quantized blocks; quantize it on load "
+                         "(--quantization q8_0, ...), or use float32 or auto")
+    return name != "float32" and has_blocks
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype = torch.float32) -> int:
@@ -83,6 +73,7 @@ class ModelRunner:
         self.logprobs_mode = logprobs_mode
         self.model = model
         self.backend = backend
+        self.widened_bytes = backend.prepare(model)  # float32 copies the backend made (PyTorch only)
         self.int8_activations = int8_activations
         self.config = model.config
         self.block_size = block_size

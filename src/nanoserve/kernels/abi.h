@@ -8,19 +8,24 @@
 
 #include <stdint.h>
 
-#define NS_ABI_VERSION 2
+#define NS_ABI_VERSION 3
 
-/* A weight matrix (n, k) in blocks of 32 along k: 4-bit (mins != NULL; quants (n, k/2) uint8) or 8-bit
- * (mins == NULL; quants (n, k) int8); scales and mins (n, k/32) float16. */
+/* A weight matrix (n, k) in its file's form: type is a GGML type code (quant_blocks.h), data n rows of
+ * row_bytes each. A fused projection is a chain of parts (next, or NULL), part p writing output columns
+ * out_col .. out_col + n - 1 of rows out_stride floats apart. */
 typedef struct {
-    const void *quants;
-    const void *scales;
-    const void *mins;
+    const void *data;
+    const void *next;
+    int64_t type;
     int64_t n;
     int64_t k;
+    int64_t row_bytes;
+    int64_t out_col;
+    int64_t out_stride;
 } BlockWeight;
 
-/* out (rows, w.n) = x (rows, w.k) W^T; int8_x: x quantized to 8 bits per block (4-bit weights only). */
+/* out (rows, w.out_stride) = x (rows, w.k) W^T over w's parts; int8_x: x quantized to 8 bits per block of 32
+ * before the products on block types (float types always multiply float32 x). */
 typedef struct {
     const float *x;
     float *out;

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from nanoserve.config import KERNEL_CHOICES
 from nanoserve.kernels import abi
 from nanoserve.kernels.abi import check
-from nanoserve.kernels.blocks import BlockWeight, quantize_activations
+from nanoserve.kernels.quant import FLOAT_TYPES, QuantWeight, quantize_activations
 
 logger = logging.getLogger(__name__)
 
@@ -35,22 +35,44 @@ class TorchBackend:
     SMALL_STEP_ROWS = 4  # bfloat16 weights: below this many rows, multiply in bfloat16
 
     # ---------------------------------------------------------------------------- matrix products
-    def linear(self, x: torch.Tensor, layer, int8: bool) -> torch.Tensor:
-        """x (M, K) float32 times `layer`'s weight (no bias). int8: x quantized per block first, for a
-        layer with 4-bit blocks; its float weight then equals the dequantized blocks (model.registry)."""
-        if int8 and layer.blocks is not None and layer.blocks.kind == "q4":
-            x = quantize_activations(x)
-        return self.dense_linear(x, layer)
+    def prepare(self, model) -> int:
+        """Gives every Linear a float32 copy of its weight (`dense`, a oneDNN one where PyTorch has it):
+        the reference multiplies float32 matrices. Returns the bytes these copies take."""
+        total = 0
+        for layer in model.linears():
+            if layer.dense is not None:
+                continue  # prepared already (a model shared between runners)
+            dense = torch.cat([p.dequantize() for p in layer.parts])
+            total += dense.numel() * 4
+            if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+                dense = dense.to_mkldnn()
+            layer.dense = dense
+        return total
 
-    def dense_linear(self, x: torch.Tensor, layer) -> torch.Tensor:
-        if layer.onednn_weight is not None and x.dim() == 2 and x.dtype == torch.float32:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), layer.onednn_weight, None, "none", [], "")
-        w = layer.weight
-        if w.dtype == x.dtype:
-            return F.linear(x, w)
-        if x.shape[0] <= self.SMALL_STEP_ROWS:
-            return F.linear(x.to(w.dtype), w).to(x.dtype)
-        return F.linear(x, w.to(x.dtype))
+    def linear(self, x: torch.Tensor, layer, int8: bool) -> torch.Tensor:
+        """x (M, K) float32 times `layer`'s weight (no bias). int8: x quantized per block first (the
+        kernels' scheme, quant.quantize_activations) for the products on block-type parts."""
+        blocks = [p.qtype not in FLOAT_TYPES for p in layer.parts]
+        if not int8 or not any(blocks):
+            return self._dense(x, layer.dense)
+        xq = quantize_activations(x)
+        if all(blocks):
+            return self._dense(xq, layer.dense)
+        out, row = [], 0
+        dense = layer.dense.to_dense() if layer.dense.is_mkldnn else layer.dense
+        for part, is_block in zip(layer.parts, blocks):
+            n = part.shape[0]
+            out.append(F.linear(xq if is_block else x, dense[row:row + n]))
+            row += n
+        return torch.cat(out, dim=-1)
+
+    @staticmethod
+    def _dense(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if w.is_mkldnn:
+            if x.dim() == 2:
+                return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, None, "none", [], "")
+            w = w.to_dense()
+        return F.linear(x, w)
 
     # ------------------------------------------------------------------------- elementwise steps
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -102,7 +124,7 @@ class TorchBackend:
 class CKernelBackend(TorchBackend):
     """The C kernels (kernels/*.c) for the shapes they run; the reference for the others."""
     name = "c"
-    BLOCK_GEMM_MAX_ROWS = 64  # up to here products run on the blocks; beyond, the float GEMM is faster
+    FUSED_DECODE_MAX_ROWS = 64  # decode steps up to this many rows run each layer as one kernel call
 
     def __init__(self, lib: ctypes.CDLL, build_key: str, isa: str, num_threads: int):
         self.lib, self.build_key, self.isa = lib, build_key, isa
@@ -111,34 +133,39 @@ class CKernelBackend(TorchBackend):
         self._caches: dict[int, tuple] = {}  # id(KVCache) -> (k, v, KVCacheRef)
 
     # ---------------------------------------------------------------------------- matrix products
+    def prepare(self, model) -> int:
+        """Nothing to copy: the kernels multiply the weights in their file's form."""
+        return 0
+
     def linear(self, x, layer, int8):
-        blocks = layer.blocks
-        if blocks is not None and x.dtype == torch.float32 and x.dim() == 2:
-            if int8 and blocks.kind == "q4":
-                return self.block_linear(x, blocks, int8=True)
-            if x.shape[0] <= self.BLOCK_GEMM_MAX_ROWS:
-                return self.block_linear(x, blocks, int8=False)
-        return self.dense_linear(x, layer)
-
-    def block_struct(self, w: BlockWeight):
-        if w.c_struct is None:
-            for t in w.tensors():
-                check("BlockWeight", "blocks", t, t.dtype, (None, None), {})
-            n, k = w.shape
-            w.c_struct = abi.BlockWeight(w.quants.data_ptr(), w.scales.data_ptr(), abi.pointer(w.mins), n, k)
-        return w.c_struct
-
-    def block_linear(self, x: torch.Tensor, w: BlockWeight, int8: bool) -> torch.Tensor:
-        """x (M, K) float32 times blocks (N, K) -> (M, N); int8 (4-bit blocks): x quantized per block."""
-        if int8 and w.kind != "q4":
-            raise ValueError("int8 activations run on 4-bit blocks only")
-        n, k = w.shape
         x = x.contiguous()
-        out = torch.empty(x.shape[0], n)
-        args = abi.LinearArgs(check("linear", "x", x, torch.float32, ("M", k), {}), out.data_ptr(),
-                              ctypes.addressof(self.block_struct(w)), x.shape[0], int(int8))
+        out = torch.empty(x.shape[0], layer.out_features)
+        args = abi.LinearArgs(check("linear", "x", x, torch.float32, ("M", layer.in_features), {}), out.data_ptr(),
+                              ctypes.addressof(self.weight_chain(layer)), x.shape[0], int(int8))
         self.lib.ns_linear(args)
         return out
+
+    def weight_chain(self, layer):
+        """The layer's parts as linked BlockWeight structs (the first returned), built once per layer."""
+        if layer.c_struct is None:
+            structs, col = [], 0
+            for part in layer.parts:
+                data = check("BlockWeight", "data", part.data, part.data.dtype, (part.shape[0], None), {})
+                structs.append(abi.BlockWeight(data, None, part.type_code, part.shape[0], part.k,
+                                               part.data.shape[1] * part.data.element_size(), col, layer.out_features))
+                col += part.shape[0]
+            for a, b in zip(structs, structs[1:]):
+                a.next = ctypes.addressof(b)
+            layer.c_struct = structs
+        return layer.c_struct[0]
+
+    def weight_linear(self, x: torch.Tensor, w: QuantWeight, int8: bool) -> torch.Tensor:
+        """x (M, K) float32 times one QuantWeight (N, K) -> (M, N) (kernel tests)."""
+        from nanoserve.model.layers import Linear
+
+        layer = Linear(w.k, w.shape[0])
+        layer.set_weight([w])
+        return self.linear(x, layer, int8)
 
     # ------------------------------------------------------------------------- elementwise steps
     def rms_norm(self, x, weight, eps):
@@ -219,30 +246,28 @@ class CKernelBackend(TorchBackend):
 
     # ------------------------------------------------------------------------- whole decode layers
     def layer_struct(self, layer):
-        """The layer's weights as one DecodeLayerWeights (rebuilt if a projection's blocks are
-        replaced), or None when the layer cannot run as one call: a projection without blocks or with
-        a bias, q/k norms."""
+        """The layer's weights as one DecodeLayerWeights, built once, or None when the layer cannot run as
+        one call: a projection with a bias, q/k norms."""
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if attn.qk_norm or any(p.blocks is None or p.bias is not None for p in linears):
+        if attn.qk_norm or any(p.bias is not None for p in linears):
             return None
-        blocks = tuple(p.blocks for p in linears)
         found = self._layers.get(id(layer))
-        if found is None or any(a is not b for a, b in zip(found[0], blocks)):
+        if found is None or found[0] is not layer:
             s = {"hidden": layer.input_layernorm.weight.shape[0]}
             ln1 = check("decode_layer", "ln1", layer.input_layernorm.weight, torch.float32, ("hidden",), s)
             ln2 = check("decode_layer", "ln2", layer.post_attention_layernorm.weight, torch.float32, ("hidden",), s)
             struct = abi.DecodeLayerWeights(
-                ln1, ln2, *[ctypes.addressof(self.block_struct(b)) for b in blocks], s["hidden"], mlp.intermediate,
+                ln1, ln2, *[ctypes.addressof(self.weight_chain(p)) for p in linears], s["hidden"], mlp.intermediate,
                 attn.num_heads, attn.num_kv_heads, attn.head_dim, layer.input_layernorm.eps, attn.scale)
-            found = self._layers[id(layer)] = (blocks, struct)
+            found = self._layers[id(layer)] = (layer, struct)
         return found[1]
 
     def fused_decode_layers(self, model, x, caches, meta):
         """Decode rows only, few enough for the block kernels, a cache the decode attention reads,
         head_dim a multiple of 8, and every layer on blocks without biases or q/k norms."""
         rows, head_dim = x.shape[0], model.config.head_dim
-        if not (meta.num_decodes == rows and not meta.prefills and 0 < rows <= self.BLOCK_GEMM_MAX_ROWS
+        if not (meta.num_decodes == rows and not meta.prefills and 0 < rows <= self.FUSED_DECODE_MAX_ROWS
                 and head_dim % 8 == 0 and self.decode_attention_fits(caches[0].k.dtype, head_dim)):
             return False
         layers = [self.layer_struct(layer) for layer in model.layers]

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "abi.h"
+#include "quant_blocks.h"
 
 #define NS_EXPORT __attribute__((visibility("default")))
 
@@ -15,15 +16,11 @@
 #error "NS_BUILD_KEY must be defined by the build (kernels/build.py)"
 #endif
 
-/* The kernels behind the entry points (block_linear.c, int8_gemm.c, elementwise.c, decode_attention.c,
+/* The kernels behind the entry points (weight_linear.c, int8_gemm.c, elementwise.c, decode_attention.c,
  * sampling.c). */
-void q4_linear_f32(const float *x, const uint8_t *qw, const uint16_t *d, const uint16_t *mn, float *out,
-                   int64_t M, int64_t K, int64_t N);
-void q8_linear_f32(const float *x, const int8_t *qw, const uint16_t *d, float *out, int64_t M, int64_t K, int64_t N);
-void block_gemm_f32(const float *x, const void *qw, const uint16_t *d, const uint16_t *mn, float *out, int64_t M,
-                    int64_t K, int64_t N);
-void q4_gemm_i8(const float *x, const uint8_t *qw, const uint16_t *d, const uint16_t *mn, float *out, int64_t M,
-                int64_t K, int64_t N);
+void weight_stream_f32(const float *x, const BlockWeight *w, float *out, int64_t M, int64_t ldo);
+void weight_gemm_f32(const float *x, const BlockWeight *w, float *out, int64_t M, int64_t ldo);
+void weight_gemm_i8(const float *x, const BlockWeight *w, float *out, int64_t M, int64_t ldo);
 void rms_norm_f32(const float *x, const float *w, float *out, int64_t rows, int64_t dim, float eps);
 void silu_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I);
 void rope_write_kv_f32(float *qk, int64_t qk_stride, const float *v, int64_t v_stride, const float *cos,
@@ -35,15 +32,17 @@ void decode_attention_f32(const float *q, const void *k_cache, const void *v_cac
                           int64_t kv_f16, float scale);
 void sample_rows(const SampleArgs *a);
 
-/* Up to this many rows a product streams the weight blocks once (bound by memory); beyond, the block
- * GEMM (measured: as fast at 5 rows, faster from 6). The only copy of this threshold. */
+/* Up to this many rows a float32 product streams the weights once (bound by memory); beyond, the
+ * dequantizing GEMM (measured: as fast at 5 rows, faster from 6). The only copy of this threshold. */
 #define BLOCKS_MAX_ROWS 5
 
 static void linear(const float *x, const BlockWeight *w, float *out, int64_t rows, int64_t int8_x) {
-    if (int8_x && w->mins) q4_gemm_i8(x, w->quants, w->scales, w->mins, out, rows, w->k, w->n);
-    else if (rows > BLOCKS_MAX_ROWS) block_gemm_f32(x, w->quants, w->scales, w->mins, out, rows, w->k, w->n);
-    else if (w->mins) q4_linear_f32(x, w->quants, w->scales, w->mins, out, rows, w->k, w->n);
-    else q8_linear_f32(x, w->quants, w->scales, out, rows, w->k, w->n);
+    for (const BlockWeight *p = w; p; p = (const BlockWeight *)p->next) {
+        float *o = out + p->out_col;
+        if (int8_x && !TYPE_IS_FLOAT(p->type)) weight_gemm_i8(x, p, o, rows, p->out_stride);
+        else if (rows > BLOCKS_MAX_ROWS) weight_gemm_f32(x, p, o, rows, p->out_stride);
+        else weight_stream_f32(x, p, o, rows, p->out_stride);
+    }
 }
 
 NS_EXPORT void ns_linear(const LinearArgs *a) { linear(a->x, a->w, a->out, a->rows, a->int8_x); }

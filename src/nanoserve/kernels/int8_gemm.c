@@ -1,6 +1,6 @@
-/* y = x W^T with W in 4-bit blocks and x quantized to 8 bits per block of 32, as llama.cpp runs its
- * 4-bit models: integer dot products (vpmaddubsw, vpmaddwd) replace block_gemm_f32's dequantization
- * and float multiplies (~1.2x it at 32 rows here). Lossy: each product carries ~0.5% relative error.
+/* y = x W^T with x quantized to 8 bits per block of 32 and W in any block type of quant_blocks.h, as
+ * llama.cpp runs its quantized models: integer dot products (vpmaddubsw, vpmaddwd) of the weights' codes
+ * with x's replace dequantization and float multiplies. Lossy: each product carries ~0.5% relative error.
  * Each output is computed by the same operations in the same order whatever the number of rows and
  * whichever kernel (streaming or GEMM) runs, so a row's result does not depend on its batch. */
 /* No fused a * b + c or reordered sums that one kernel would get and the other not (the build allows both). */
@@ -11,6 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "abi.h"
+#include "quant_blocks.h"
 #include "vec_math.h"
 
 #define TR 4   /* rows of x per tile */
@@ -89,30 +91,29 @@ static inline float finish(float dx, __m256 acc, float m_term) {
     return dx * hsum256(acc) + m_term;
 }
 
-/* sum over blocks of m[b] * sum[b], accumulated in block order (each lane of the GEMM's vector version
- * runs the same sequence of fused multiply-adds). */
-static inline float min_term(const uint16_t *mn, const float *sum, int64_t nb) {
-    float a = 0.0f;
-    for (int64_t b = 0; b < nb; b++) a = NS_FMA(sum[b], _cvtsh_ss(mn[b]), a);
-    return a;
-}
-
-/* One group's weight rows ready for the tiles: nibbles as bytes 0..15 [row][block][32], d broadcast
- * [row][block][8], and m transposed [block][NGI] (zero past the group's last row). */
-static void unpack_group(const uint8_t *qw, const uint16_t *d, const uint16_t *mn, int64_t n0, int64_t cols,
-                         int64_t nb, uint8_t *wu, float *dv, float *mt) {
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
+/* One group's weight rows ready for the tiles: codes as bytes [row][block][32], each block's two scales
+ * [row][block][8] (lanes 0-3: weights 0..15, lanes 4-7: 16..31, the lanes of vpmaddwd's sums), and the
+ * blocks' minimums transposed [block][NGI] (zero past the group's last row and for signed types). */
+NS_ALWAYS_INLINE void unpack_group(int t, const BlockWeight *w, int64_t n0, int64_t cols, int64_t nb, uint8_t *wu,
+                                   float *dv, float *mt) {
     memset(mt, 0, sizeof(float) * (size_t)(nb * NGI));
     for (int64_t j = 0; j < cols; j++) {
-        const uint8_t *row = qw + (n0 + j) * nb * 16;
+        const uint8_t *row = (const uint8_t *)w->data + (n0 + j) * w->row_bytes;
         for (int64_t b = 0; b < nb; b++) {
-            const __m128i by = _mm_loadu_si128((const __m128i *)(row + b * 16));
-            const __m256i both = _mm256_set_m128i(_mm_srli_epi16(by, 4), by); /* weights 0..15, 16..31 */
-            _mm256_store_si256((__m256i *)(wu + (j * nb + b) * 32), _mm256_and_si256(both, low4));
-            _mm256_store_ps(dv + (j * nb + b) * 8, _mm256_set1_ps(_cvtsh_ss(d[(n0 + j) * nb + b])));
-            mt[b * NGI + j] = _cvtsh_ss(mn[(n0 + j) * nb + b]);
+            const Sub32 s = decode32(t, row, b);
+            _mm256_store_si256((__m256i *)(wu + (j * nb + b) * 32), s.q);
+            _mm256_store_ps(dv + (j * nb + b) * 8, _mm256_set_m128(_mm_set1_ps(s.s1), _mm_set1_ps(s.s0)));
+            mt[b * NGI + j] = s.m;
         }
     }
+}
+
+/* The integer dot products of 32 codes w with 32 quantized x, times x's block scale s, as 8 int32 sums
+ * (lane l: weights 4l..4l+3). Signed codes multiply |w| by x with w's sign (vpmaddubsw takes unsigned
+ * first operands); unsigned ones (0..63) multiply directly. No sum saturates: |w x| <= 127 * 127. */
+NS_ALWAYS_INLINE __m256i dot_codes(int t, __m256i wv, __m256i wabs, __m256i xv, __m256i sv) {
+    const __m256i p = TYPE_SIGNED(t) ? _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv, wv)) : _mm256_maddubs_epi16(wv, xv);
+    return _mm256_madd_epi16(p, sv);
 }
 
 /* The integer part of TR rows times `tc` (TC or 1) weight rows: acc[r][c] += d * s * (q_w . q_x) per block.
@@ -120,28 +121,30 @@ static void unpack_group(const uint8_t *qw, const uint16_t *d, const uint16_t *m
  * memory for every product and the loop becomes bound by loads. */
 #define TILE_BODY(tc)                                                                                       \
     for (int64_t b = 0; b < nb; b++) {                                                                      \
-        __m256i wv[tc];                                                                                     \
+        __m256i wv[tc], wa[tc];                                                                             \
         __m256 dd[tc];                                                                                      \
         for (int c = 0; c < tc; c++) {                                                                      \
             wv[c] = _mm256_load_si256((const __m256i *)(wu + ((j + c) * nb + b) * 32));                     \
+            wa[c] = TYPE_SIGNED(t) ? _mm256_abs_epi8(wv[c]) : wv[c];                                        \
             dd[c] = _mm256_load_ps(dv + ((j + c) * nb + b) * 8);                                            \
             NS_KEEP_IN_REGISTER(dd[c]);                                                                     \
             NS_KEEP_IN_REGISTER(wv[c]);                                                                     \
+            if (TYPE_SIGNED(t)) NS_KEEP_IN_REGISTER(wa[c]);                                                 \
         }                                                                                                   \
         for (int r = 0; r < TR; r++) {                                                                      \
             const __m256i xv = _mm256_load_si256((const __m256i *)(qp + (b * TR + r) * 32));                \
             __m256i sv = _mm256_load_si256((const __m256i *)(sp + (b * TR + r) * 16));                      \
             NS_KEEP_IN_REGISTER(sv);                                                                        \
             for (int c = 0; c < tc; c++) {                                                                  \
-                const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(wv[c], xv), sv);                   \
-                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), dd[c], acc[r][c]);                       \
+                const __m256i p = dot_codes(t, wv[c], wa[c], xv, sv);                                       \
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), dd[c], acc[r][c]);                       \
             }                                                                                               \
         }                                                                                                   \
     }
 
 /* Rows i0 .. i0 + rows - 1 (i0 a multiple of TR) through the tiles, groups of weight rows in parallel. */
-static void gemm_rows(const QuantizedRows *xq, const uint8_t *qw, const uint16_t *d, const uint16_t *mn, float *out,
-                      int64_t i0, int64_t M, int64_t nb, int64_t N) {
+NS_ALWAYS_INLINE void gemm_rows(int t, const QuantizedRows *xq, const BlockWeight *w, float *out, int64_t ldo,
+                                int64_t i0, int64_t M, int64_t nb, int64_t N) {
     const int64_t panels = (M + TR - 1) / TR, groups = (N + NGI - 1) / NGI;
 #pragma omp parallel
     {
@@ -152,8 +155,8 @@ static void gemm_rows(const QuantizedRows *xq, const uint8_t *qw, const uint16_t
 #pragma omp for schedule(dynamic, 2)
         for (int64_t g = 0; g < groups; g++) {
             const int64_t n0 = g * NGI, cols = N - n0 < NGI ? N - n0 : NGI;
-            unpack_group(qw, d, mn, n0, cols, nb, wu, dv, mt);
-            /* the minimum term of every output, each lane one weight row (see min_term) */
+            unpack_group(t, w, n0, cols, nb, wu, dv, mt);
+            /* the minimum term of every output, each lane one weight row, in block order (as stream_rows) */
             for (int64_t i = 0; i < M; i++) {
                 __m256 a[NGI / 8];
                 for (int v = 0; v < NGI / 8; v++) a[v] = _mm256_setzero_ps();
@@ -175,7 +178,7 @@ static void gemm_rows(const QuantizedRows *xq, const uint8_t *qw, const uint16_t
                     for (int64_t r = 0; r < rows; r++)
                         for (int c = 0; c < TC; c++) {
                             const int64_t i = p * TR + r;
-                            out[(i0 + i) * N + n0 + j + c] = finish(xq->dx[i0 + i], acc[r][c], m_terms[i * NGI + j + c]);
+                            out[(i0 + i) * ldo + n0 + j + c] = finish(xq->dx[i0 + i], acc[r][c], m_terms[i * NGI + j + c]);
                         }
                 }
                 for (; j < cols; j++) {
@@ -184,7 +187,7 @@ static void gemm_rows(const QuantizedRows *xq, const uint8_t *qw, const uint16_t
                     TILE_BODY(1)
                     for (int64_t r = 0; r < rows; r++) {
                         const int64_t i = p * TR + r;
-                        out[(i0 + i) * N + n0 + j] = finish(xq->dx[i0 + i], acc[r][0], m_terms[i * NGI + j]);
+                        out[(i0 + i) * ldo + n0 + j] = finish(xq->dx[i0 + i], acc[r][0], m_terms[i * NGI + j]);
                     }
                 }
             }
@@ -199,28 +202,31 @@ static void gemm_rows(const QuantizedRows *xq, const uint8_t *qw, const uint16_t
 /* Up to STREAM_MAX_ROWS rows: each weight row's blocks are read once from memory and used for every row
  * of x (the step is bound by reading the weights), with the GEMM's operations in the GEMM's order. */
 #define STREAM_MAX_ROWS 2 /* measured: the GEMM is faster from 3 rows */
-static void stream_rows(const QuantizedRows *xq, const uint8_t *qw, const uint16_t *d, const uint16_t *mn, float *out,
-                        int64_t M, int64_t nb, int64_t N) {
-    const __m128i low4 = _mm_set1_epi8(0x0F);
+NS_ALWAYS_INLINE void stream_rows(int t, const QuantizedRows *xq, const BlockWeight *w, float *out, int64_t ldo, int64_t M,
+                                  int64_t nb, int64_t N) {
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        const uint8_t *row = qw + n * nb * 16;
+        const uint8_t *row = (const uint8_t *)w->data + n * w->row_bytes;
         __m256 acc[STREAM_MAX_ROWS];
-        for (int64_t i = 0; i < M; i++) acc[i] = _mm256_setzero_ps();
+        float m_term[STREAM_MAX_ROWS];
+        for (int64_t i = 0; i < M; i++) {
+            acc[i] = _mm256_setzero_ps();
+            m_term[i] = 0.0f;
+        }
         for (int64_t b = 0; b < nb; b++) {
-            const __m128i by = _mm_loadu_si128((const __m128i *)(row + b * 16));
-            const __m256i wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(by, 4), low4), _mm_and_si128(by, low4));
-            const __m256 dd = _mm256_set1_ps(_cvtsh_ss(d[n * nb + b]));
+            const Sub32 s = decode32(t, row, b);
+            const __m256i wa = TYPE_SIGNED(t) ? _mm256_abs_epi8(s.q) : s.q;
+            const __m256 dd = _mm256_set_m128(_mm_set1_ps(s.s1), _mm_set1_ps(s.s0));
             for (int64_t i = 0; i < M; i++) {
                 const int64_t off = ((i / TR) * nb + b) * TR + i % TR;
                 const __m256i xv = _mm256_load_si256((const __m256i *)(xq->q + off * 32));
                 const __m256i sv = _mm256_load_si256((const __m256i *)(xq->s + off * 16));
-                const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), sv);
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), dd, acc[i]);
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_codes(t, s.q, wa, xv, sv)), dd, acc[i]);
+                /* the GEMM's minimum term: the same fused multiply-adds in block order */
+                if (!TYPE_SIGNED(t)) m_term[i] = NS_FMA(xq->sum[i * nb + b], s.m, m_term[i]);
             }
         }
-        for (int64_t i = 0; i < M; i++)
-            out[i * N + n] = finish(xq->dx[i], acc[i], min_term(mn + n * nb, xq->sum + i * nb, nb));
+        for (int64_t i = 0; i < M; i++) out[i * ldo + n] = finish(xq->dx[i], acc[i], m_term[i]);
     }
 }
 
@@ -228,18 +234,28 @@ static void stream_rows(const QuantizedRows *xq, const uint8_t *qw, const uint16
  * pass unpacks the weights again (~2% of the work at 64 rows). */
 #define CHUNK_ROWS 64
 
-/* y (M, N) = x (M, K) W^T with W as 4-bit blocks (see block_linear.c), x quantized per block of 32:
+NS_ALWAYS_INLINE void gemm_i8_type(int t, const QuantizedRows *xq, const BlockWeight *w, float *out, int64_t M,
+                                   int64_t ldo) {
+    const int64_t nb = w->k / 32;
+    if (M <= STREAM_MAX_ROWS) stream_rows(t, xq, w, out, ldo, M, nb, w->n);
+    else
+        for (int64_t i0 = 0; i0 < M; i0 += CHUNK_ROWS)
+            gemm_rows(t, xq, w, out, ldo, i0, M - i0 < CHUNK_ROWS ? M - i0 : CHUNK_ROWS, nb, w->n);
+}
+
+/* out (M, columns of w, row stride ldo) = x (M, K) W^T, W of a block type, x quantized per block of 32:
  * few rows stream the weight blocks (bound by memory), more rows go through the tiled GEMM. */
-void q4_gemm_i8(const float *x, const uint8_t *qw, const uint16_t *d, const uint16_t *mn, float *out, int64_t M,
-                int64_t K, int64_t N) {
-    const int64_t nb = K / 32, Mp = (M + TR - 1) / TR * TR;
+void weight_gemm_i8(const float *x, const BlockWeight *w, float *out, int64_t M, int64_t ldo) {
+    const int64_t K = w->k, nb = K / 32, Mp = (M + TR - 1) / TR * TR;
     QuantizedRows xq = {aligned_alloc(32, (size_t)(Mp * K)), aligned_alloc(32, sizeof(int16_t) * (size_t)(Mp * nb * 16)),
                         malloc(sizeof(float) * (size_t)Mp), malloc(sizeof(float) * (size_t)(Mp * nb))};
     quantize_rows(x, M, Mp, K, &xq);
-    if (M <= STREAM_MAX_ROWS) stream_rows(&xq, qw, d, mn, out, M, nb, N);
-    else
-        for (int64_t i0 = 0; i0 < M; i0 += CHUNK_ROWS)
-            gemm_rows(&xq, qw, d, mn, out, i0, M - i0 < CHUNK_ROWS ? M - i0 : CHUNK_ROWS, nb, N);
+    switch (w->type) {
+#define CASE(T) case T: gemm_i8_type(T, &xq, w, out, M, ldo); break;
+        FOR_EACH_BLOCK_TYPE(CASE)
+#undef CASE
+    default: break;
+    }
     free(xq.q);
     free(xq.s);
     free(xq.dx);

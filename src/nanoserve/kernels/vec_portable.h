@@ -298,4 +298,25 @@ NS_INLINE __m128i _mm_shuffle_epi32(__m128i a, int imm) {
 }
 NS_INLINE int32_t _mm_cvtsi128_si32(__m128i a) { return a.i[0]; }
 
+
+/* ---------------------------------------------------------------- used by the weight decoders (quant_blocks.h) */
+NS_INLINE __m128 _mm_set1_ps(float v) { __m128 r; NS_LANES(4) r.f[l] = v; return r; }
+NS_INLINE __m256 _mm256_set_m128(__m128 hi, __m128 lo) { __m256 r; NS_LANES(4) { r.f[l] = lo.f[l]; r.f[l + 4] = hi.f[l]; } return r; }
+NS_INLINE __m256i _mm256_set1_epi64x(int64_t v) { __m256i r; NS_LANES(4) memcpy(r.b + 8 * l, &v, 8); return r; }
+NS_INLINE __m256i _mm256_or_si256(__m256i a, __m256i b) { NS_LANES(32) a.ub[l] |= b.ub[l]; return a; }
+NS_INLINE __m256i _mm256_sub_epi8(__m256i a, __m256i b) { NS_LANES(32) a.ub[l] = (uint8_t)(a.ub[l] - b.ub[l]); return a; }
+NS_INLINE __m256i _mm256_cmpeq_epi8(__m256i a, __m256i b) { NS_LANES(32) a.ub[l] = a.ub[l] == b.ub[l] ? 0xFF : 0; return a; }
+NS_INLINE __m256i _mm256_srli_epi16(__m256i a, int n) { NS_LANES(16) a.h[l] = n > 15 ? 0 : (int16_t)((uint16_t)a.h[l] >> n); return a; }
+NS_INLINE __m256i _mm256_abs_epi8(__m256i a) { NS_LANES(32) a.ub[l] = (uint8_t)(a.b[l] < 0 ? -a.b[l] : a.b[l]); return a; }
+NS_INLINE __m256i _mm256_sign_epi8(__m256i a, __m256i b) { /* a negated where b < 0, zeroed where b == 0 */
+    NS_LANES(32) a.b[l] = (int8_t)(b.b[l] < 0 ? -a.b[l] : (b.b[l] == 0 ? 0 : a.b[l]));
+    return a;
+}
+NS_INLINE __m256i _mm256_shuffle_epi8(__m256i a, __m256i idx) { /* within each 128-bit half */
+    __m256i r;
+    NS_LANES(32) r.ub[l] = (idx.ub[l] & 0x80) ? 0 : a.ub[(l & 16) + (idx.ub[l] & 15)];
+    return r;
+}
+NS_INLINE __m256i _mm256_cvtepu16_epi32(__m128i a) { __m256i r; NS_LANES(8) r.i[l] = a.uh[l]; return r; }
+
 #endif

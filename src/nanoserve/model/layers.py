@@ -1,7 +1,8 @@
-"""Building blocks of a Llama-family decoder: linear layers with float32 or bfloat16 weights, RMSNorm,
-rotary embeddings (default, linear, llama3 scaling), and attention that writes to and reads from the
-paged KV cache (float32 or float16) through block tables. Activations are float32, optionally
-quantized to 8 bits right before a 4-bit weight's product (`AttentionMetadata.int8_activations`)."""
+"""Building blocks of a Llama-family decoder: linear layers and the token embedding on weights in their
+file's form (kernels/quant.py), RMSNorm, rotary embeddings (default, linear, llama3 scaling), and
+attention that writes to and reads from the paged KV cache (float32 or float16) through block tables.
+Activations are float32, optionally quantized to 8 bits right before a product on a block-type weight
+(`AttentionMetadata.int8_activations`)."""
 from __future__ import annotations
 
 import math
@@ -13,33 +14,59 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.kernels.backend import TorchBackend
-from nanoserve.kernels.blocks import BlockWeight
+from nanoserve.kernels.quant import FLOAT_TYPES, QuantWeight
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b) on float32 activations. The weight is float32 or bfloat16, may also be held as
-    4-bit or 8-bit blocks (`blocks`; then `weight` equals their dequantized values) and, float32, as a
-    oneDNN copy (`onednn_weight`). Which one a product runs on is the backend's choice
-    (kernels/backend.py): C kernels on the blocks for decode-sized steps and for int8 activations, the
-    float GEMM for large steps."""
+    """y = x W^T (+ b) on float32 activations. W is held in its file's form as parts stacked along the
+    output dimension (`parts`: one QuantWeight, or several for a fused q/k/v or gate/up projection whose
+    matrices differ in type). The backend runs the product (kernels/backend.py); the PyTorch backend
+    multiplies a float32 copy it makes at start (`dense`), the C backend the parts themselves."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.in_features, self.out_features = in_features, out_features
+        self.parts: list[QuantWeight] = []
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.blocks: Optional[BlockWeight] = None
-        self.onednn_weight: Optional[torch.Tensor] = None
+        self.dense: Optional[torch.Tensor] = None
+        self.c_struct = None  # the C backend's chain of BlockWeight parts, built on first use
 
-    def attach_onednn_weight(self) -> None:
-        """Adds the oneDNN copy of a float32 weight, where PyTorch was built with oneDNN."""
-        if (self.weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-                and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
-            self.onednn_weight = self.weight.detach().to_mkldnn()
+    def set_weight(self, parts: list[QuantWeight]) -> None:
+        """Stacks `parts` (each (n_i, in_features)); neighbours of one type are joined into one part."""
+        merged: list[QuantWeight] = []
+        for p in parts:
+            if p.k != self.in_features:
+                raise ValueError(f"weight of {p.k} columns for a layer of {self.in_features} inputs")
+            if merged and merged[-1].qtype == p.qtype:
+                merged[-1] = QuantWeight(p.qtype, torch.cat([merged[-1].data, p.data]), p.k)
+            else:
+                merged.append(p)
+        if sum(p.shape[0] for p in merged) != self.out_features:
+            raise ValueError(f"weights of {sum(p.shape[0] for p in merged)} rows for a layer of "
+                             f"{self.out_features} outputs")
+        self.parts, self.dense, self.c_struct = merged, None, None
+
+    @property
+    def has_blocks(self) -> bool:
+        """Whether some part is of a block type (the products int8 activations apply to)."""
+        return any(p.qtype not in FLOAT_TYPES for p in self.parts)
 
     def forward(self, x: torch.Tensor, backend: TorchBackend, int8: bool = False) -> torch.Tensor:
-        """int8: x quantized to 8 bits per block of 32 first, where this layer has 4-bit blocks."""
+        """int8: x quantized to 8 bits per block of 32 before the products on block-type parts."""
         y = backend.linear(x, self, int8)
         return y if self.bias is None else y + self.bias
+
+
+class TokenEmbedding(nn.Module):
+    """The vocabulary matrix in its file's form; a lookup dequantizes the rows of the step's tokens. A
+    tied output projection multiplies the same QuantWeight."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight: Optional[QuantWeight] = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight.dequantize(ids)
 
 
 class RMSNorm(nn.Module):

@@ -7,7 +7,9 @@ from torch import nn
 
 from nanoserve.config import ModelConfig
 from nanoserve.kernels.backend import rotate
-from nanoserve.model.layers import AttentionMetadata, KVCache, Linear, RMSNorm, RotaryEmbedding, paged_attention
+from nanoserve.kernels.quant import QuantWeight
+from nanoserve.model.layers import (AttentionMetadata, KVCache, Linear, RMSNorm, RotaryEmbedding, TokenEmbedding,
+                                   paged_attention)
 
 
 class Attention(nn.Module):
@@ -76,7 +78,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = TokenEmbedding()
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -90,39 +92,55 @@ class LlamaForCausalLM(nn.Module):
         """input_ids: (T,). Returns float32 logits (len(logits_indices), vocab). The vocabulary projection
         runs on float32 activations whatever `meta.int8_activations` says."""
         meta.rope_cos, meta.rope_sin = self.rope.lookup(meta.positions)
-        x = self.embed_tokens(input_ids).float().contiguous()
+        x = self.embed_tokens(input_ids).contiguous()
         if not (self.fuse_decode_layers and meta.backend.fused_decode_layers(self, x, caches, meta)):
             for layer, cache in zip(self.layers, caches):
                 x = layer(x, cache, meta)
         x = self.norm(x[logits_indices], meta.backend)
         return self.lm_head(x, meta.backend).float()
 
-    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Copies weights under Hugging Face names, fusing q/k/v and gate/up; raises KeyError naming
-        the first missing tensor."""
+    def load_weights(self, state: dict) -> None:
+        """Takes weights under Hugging Face names: matrices as QuantWeight (kept as they are, q/k/v and
+        gate/up stacked), norms and biases as float tensors. Raises KeyError naming the first missing
+        tensor, ValueError for a shape that does not fit the config."""
         cfg = self.config
-        own: dict[str, torch.Tensor] = {
-            "embed_tokens.weight": state["model.embed_tokens.weight"],
-            "norm.weight": state["model.norm.weight"],
-            "lm_head.weight": state["model.embed_tokens.weight"] if cfg.tie_word_embeddings
-            else state["lm_head.weight"],
-        }
-        for i in range(cfg.num_layers):
+
+        def matrix(name: str, rows: int, cols: int) -> QuantWeight:
+            w = state[name]
+            if not isinstance(w, QuantWeight) or w.shape != (rows, cols):
+                shape = w.shape if isinstance(w, QuantWeight) else tuple(w.shape)
+                raise ValueError(f"{name} has shape {tuple(shape)}, the config needs {(rows, cols)}")
+            return w
+
+        def vector(name: str, size: int) -> torch.Tensor:
+            v = state[name]
+            if isinstance(v, QuantWeight) or tuple(v.shape) != (size,):
+                raise ValueError(f"{name} has shape {tuple(v.shape)}, the config needs ({size},)")
+            return v.float().contiguous()
+
+        h, d = cfg.hidden_size, cfg.head_dim
+        q, kv, inter = cfg.num_heads * d, cfg.num_kv_heads * d, cfg.intermediate_size
+        self.embed_tokens.weight = matrix("model.embed_tokens.weight", cfg.vocab_size, h)
+        self.norm.weight.data = vector("model.norm.weight", h)
+        head = self.embed_tokens.weight if cfg.tie_word_embeddings else matrix("lm_head.weight", cfg.vocab_size, h)
+        self.lm_head.set_weight([head])
+        for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            own[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
-                [state[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_proj.set_weight([matrix(p + f"self_attn.{x}_proj.weight", n, h)
+                                      for x, n in (("q", q), ("k", kv), ("v", kv))])
             if cfg.attention_bias:
-                own[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat(
-                    [state[p + f"self_attn.{x}_proj.bias"] for x in "qkv"])
-            own[f"layers.{i}.self_attn.o_proj.weight"] = state[p + "self_attn.o_proj.weight"]
+                attn.qkv_proj.bias.data = torch.cat([vector(p + f"self_attn.{x}_proj.bias", n)
+                                                     for x, n in (("q", q), ("k", kv), ("v", kv))])
+            attn.o_proj.set_weight([matrix(p + "self_attn.o_proj.weight", h, q)])
             if cfg.qk_norm:
-                own[f"layers.{i}.self_attn.q_norm.weight"] = state[p + "self_attn.q_norm.weight"]
-                own[f"layers.{i}.self_attn.k_norm.weight"] = state[p + "self_attn.k_norm.weight"]
-            own[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
-                [state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]])
-            own[f"layers.{i}.mlp.down_proj.weight"] = state[p + "mlp.down_proj.weight"]
-            own[f"layers.{i}.input_layernorm.weight"] = state[p + "input_layernorm.weight"]
-            own[f"layers.{i}.post_attention_layernorm.weight"] = state[p + "post_attention_layernorm.weight"]
-        self.load_state_dict(own, strict=True)
-        if cfg.tie_word_embeddings:  # one tensor, not two copies of the vocabulary matrix
-            self.lm_head.weight = self.embed_tokens.weight
+                attn.q_norm.weight.data = vector(p + "self_attn.q_norm.weight", d)
+                attn.k_norm.weight.data = vector(p + "self_attn.k_norm.weight", d)
+            mlp.gate_up_proj.set_weight([matrix(p + "mlp.gate_proj.weight", inter, h),
+                                         matrix(p + "mlp.up_proj.weight", inter, h)])
+            mlp.down_proj.set_weight([matrix(p + "mlp.down_proj.weight", h, inter)])
+            layer.input_layernorm.weight.data = vector(p + "input_layernorm.weight", h)
+            layer.post_attention_layernorm.weight.data = vector(p + "post_attention_layernorm.weight", h)
+
+    def linears(self) -> list[Linear]:
+        return [m for m in self.modules() if isinstance(m, Linear)]

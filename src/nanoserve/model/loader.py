@@ -1,6 +1,7 @@
 """Turns a model on disk (a GGUF file or a Hugging Face safetensors directory) into a `ModelConfig`
-and one float state dict under Hugging Face tensor names. Every failure is a `ModelLoadError` that
-names the file and the problem."""
+and one state dict under Hugging Face tensor names: matrices as `QuantWeight` in the file's own form
+(read straight from the file, never widened), norms and biases as float32. Every failure is a
+`ModelLoadError` that names the file and the problem."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,11 +10,11 @@ import json
 import os
 from typing import Optional
 
-import numpy as np
 import torch
 
 from nanoserve.cache import cache_dir, file_key
 from nanoserve.config import ModelConfig
+from nanoserve.kernels.quant import FLOAT_TYPES, GGML_TYPES, QuantWeight
 from nanoserve.errors import ModelLoadError  # noqa: F401  (raised here, imported from here by callers)
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -21,9 +22,8 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Architectures we can run, by GGUF name and by Hugging Face class name.
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
-# GGUF quantization types we accept; dequantization is done by the `gguf` package itself.
-SUPPORTED_GGUF_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-                        "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+# GGUF tensor types we run: those the kernels read (kernels/quant.py).
+SUPPORTED_GGUF_TYPES = set(GGML_TYPES)
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3"}
 
 # llama.cpp tensor names (per layer, after "blk.N.") -> Hugging Face names (after "model.layers.N.").
@@ -49,8 +49,9 @@ def default_model_path() -> str:
     return path
 
 
-def load_model_weights(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Reads config and float32 weights (HF names) from a GGUF file or a HF model directory."""
+def load_model_weights(path: str) -> tuple[ModelConfig, dict]:
+    """Reads config and weights (HF names; matrices as QuantWeight, vectors float32) from a GGUF file or
+    a HF model directory."""
     if not os.path.exists(path):
         raise ModelLoadError(f"{path}: no such file or directory")
     if os.path.isdir(path):
@@ -119,45 +120,29 @@ def _gguf_name_to_hf(name: str) -> Optional[str]:
     return None if hf is None else f"{hf}.{suffix}"
 
 
-def unpermute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Undo llama.cpp's converter, which interleaves the two rotary halves of each head's rows."""
-    head_dim = weight.shape[0] // n_head
-    w = weight.reshape(n_head, head_dim // 2, 2, *weight.shape[1:])  # (heads, D/2, 2, ...)
-    return w.transpose(1, 2).reshape(weight.shape)
+def unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
+    """The row order that undoes llama.cpp's converter, which interleaves the two rotary halves of each
+    head's rows of q and k: new row i is old row perm[i]."""
+    head_dim = n_rows // n_head
+    return torch.arange(n_rows).reshape(n_head, head_dim // 2, 2).transpose(1, 2).reshape(n_rows)
 
 
-# Bump when the GGUF -> state dict conversion changes, so that cached conversions are rebuilt.
-GGUF_CONVERSION_VERSION = "1"
+# Bump when the cached GGUF header (config and tensor table) changes meaning.
+GGUF_HEADER_VERSION = "2"
 
 
-def _load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Reading and dequantizing a GGUF file takes ~10 s for the default model (most of it parsing the
-    vocabulary); the float32 result is cached as safetensors and memory-mapped on later starts."""
-    from safetensors.torch import load_file, save_file
-
-    cached = os.path.join(cache_dir("weights"),
-                          f"{os.path.basename(path)}-{file_key(path, GGUF_CONVERSION_VERSION)}.safetensors")
-    if os.path.isfile(cached):
-        try:
-            with open(cached, "rb") as f:
-                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-            fields = json.loads(header["__metadata__"]["model_config"])
-            fields["eos_token_ids"] = tuple(fields["eos_token_ids"])
-            return ModelConfig(**fields), load_file(cached)
-        except Exception:  # a damaged cache entry is rebuilt below
-            pass
-    config, state = _convert_gguf(path)
+def gguf_header(path: str) -> tuple[ModelConfig, list[tuple[str, str, tuple[int, ...], int, int]]]:
+    """The config and the tensor table (name, type, shape (rows first), file offset, bytes) of a GGUF
+    file. gguf-py parses a header in ~5 s (the vocabulary, mostly); the result is cached as JSON."""
+    cached = os.path.join(cache_dir("gguf-headers"),
+                          f"{os.path.basename(path)}-{file_key(path, GGUF_HEADER_VERSION)}.json")
     try:
-        os.makedirs(os.path.dirname(cached), exist_ok=True)
-        tmp = f"{cached}.{os.getpid()}.tmp"
-        save_file(state, tmp, metadata={"model_config": json.dumps(dataclasses.asdict(config))})
-        os.replace(tmp, cached)
-    except OSError:
-        pass  # no writable cache: the next start converts again
-    return config, state
-
-
-def _convert_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+        with open(cached) as f:
+            saved = json.load(f)
+        fields = dict(saved["config"], eos_token_ids=tuple(saved["config"]["eos_token_ids"]))
+        return ModelConfig(**fields), [(n, t, tuple(s), o, b) for n, t, s, o, b in saved["tensors"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # absent or damaged: parsed below
     import gguf
 
     try:
@@ -165,28 +150,64 @@ def _convert_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     except Exception as exc:  # the gguf package raises ValueError, struct errors, etc.
         raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from None
     config = gguf_config(reader, path)
-    state: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
-        qtype = tensor.tensor_type
-        if qtype.name not in SUPPORTED_GGUF_TYPES:
-            raise ModelLoadError(f"{path}: tensor {tensor.name} has unsupported quantization type "
-                                 f"{qtype.name}")
-        hf_name = _gguf_name_to_hf(tensor.name)
-        if hf_name is None:
-            continue  # e.g. rope_freqs; we compute rotary frequencies ourselves
-        try:
-            array = gguf.quants.dequantize(tensor.data, qtype)
-        except Exception as exc:
-            raise ModelLoadError(f"{path}: cannot dequantize {tensor.name} ({qtype.name}): {exc}") from None
-        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
-        weight = torch.from_numpy(np.array(array, dtype=np.float32)).reshape(shape)  # owned, writable
-        if config.architecture == "llama":
-            if hf_name.endswith("q_proj.weight"):
-                weight = unpermute_qk(weight, config.num_heads)
-            elif hf_name.endswith("k_proj.weight"):
-                weight = unpermute_qk(weight, config.num_kv_heads)
-        state[hf_name] = weight
+    tensors = [(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)), int(t.data_offset),
+                int(t.n_bytes)) for t in reader.tensors]
+    try:
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
+        tmp = f"{cached}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"config": dataclasses.asdict(config), "tensors": tensors}, f)
+        os.replace(tmp, cached)
+    except OSError:
+        pass  # no writable cache: the next start parses again
+    return config, tensors
+
+
+def _read(f, offset: int, nbytes: int) -> torch.Tensor:
+    """nbytes of the file at offset, into memory of our own (no mapping of the file stays behind)."""
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    f.seek(offset)
+    if f.readinto(memoryview(buf.numpy())) != nbytes:
+        raise ModelLoadError(f"{f.name}: file ends inside a tensor (truncated download?)")
+    return buf
+
+
+def _load_gguf(path: str) -> tuple[ModelConfig, dict]:
+    config, tensors = gguf_header(path)
+    state: dict = {}
+    with open(path, "rb") as f:
+        for name, qtype, shape, offset, nbytes in tensors:
+            hf_name = _gguf_name_to_hf(name)
+            if hf_name is None:
+                continue  # e.g. rope_freqs; we compute rotary frequencies ourselves
+            if qtype not in SUPPORTED_GGUF_TYPES:
+                raise ModelLoadError(f"{path}: tensor {name} has type {qtype}, which nanoserve does not run "
+                                     f"(supported: {', '.join(GGML_TYPES)})")
+            raw = _read(f, offset, nbytes)
+            if len(shape) == 1:
+                state[hf_name] = QuantWeight(qtype, _typed(raw, qtype, 1, shape[0]), shape[0]).dequantize()[0]
+                continue
+            if len(shape) != 2:
+                raise ModelLoadError(f"{path}: tensor {name} has {len(shape)} dimensions, expected 1 or 2")
+            try:
+                weight = QuantWeight(qtype, _typed(raw, qtype, *shape), shape[1])
+            except (ValueError, RuntimeError) as exc:
+                raise ModelLoadError(f"{path}: tensor {name}: {exc}") from None
+            if config.architecture == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = config.num_heads if "q_proj" in hf_name else config.num_kv_heads
+                weight = QuantWeight(qtype, weight.data.index_select(0, unpermute_rows(shape[0], heads)), shape[1])
+            state[hf_name] = weight
     return config, state
+
+
+def _typed(raw: torch.Tensor, qtype: str, rows: int, cols: int) -> torch.Tensor:
+    """A tensor's bytes as QuantWeight data: (rows, cols) of the float dtype, or (rows, row bytes) uint8."""
+    if qtype in FLOAT_TYPES:
+        return raw.view(FLOAT_TYPES[qtype]).reshape(rows, cols)
+    _, block, nbytes = GGML_TYPES[qtype]
+    if cols % block:
+        raise ModelLoadError(f"a {qtype} tensor of {cols} columns is not whole blocks of {block}")
+    return raw.reshape(rows, cols // block * nbytes)
 
 
 # ------------------------------------------------------------------------------- Hugging Face dirs
@@ -224,9 +245,7 @@ def hf_config(cfg: dict, path: str) -> ModelConfig:
         rope_scaling=rope_scaling or None, bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids)
 
 
-def _load_hf_dir(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-
+def _load_hf_dir(path: str) -> tuple[ModelConfig, dict]:
     config_path = os.path.join(path, "config.json")
     try:
         with open(config_path) as f:
@@ -249,13 +268,23 @@ def _load_hf_dir(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors weight files")
-    state: dict[str, torch.Tensor] = {}
+    from safetensors import safe_open
+
+    kinds = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+    state: dict = {}
     for name in files:
         file = os.path.join(path, name)
         try:
-            tensors = load_file(file)
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():
+                    t = f.get_tensor(key)
+                    if t.dtype not in kinds:
+                        raise ModelLoadError(f"{file}: tensor {key} is {t.dtype}; nanoserve reads float32, "
+                                             f"float16 and bfloat16 checkpoints")
+                    state[key] = (QuantWeight(kinds[t.dtype], t.contiguous(), t.shape[1]) if t.dim() == 2
+                                  else t.float())
+        except ModelLoadError:
+            raise
         except Exception as exc:
             raise ModelLoadError(f"{file}: cannot read safetensors ({exc})") from None
-        state.update({k: v.float() for k, v in tensors.items()})
     return config, state
-

@@ -1,116 +1,116 @@
-"""Builds a ready-to-run model (config, weights, dtype) from a path; the one entry point the engine
-uses, which maps every loading failure to `ModelLoadError`."""
+"""Builds a ready-to-run model (config, weights in their chosen form) from a path; the one entry point
+the engine uses, which maps every loading failure to `ModelLoadError`. Weights stay as the file holds
+them unless `--dtype` converts or `--quantization` quantizes them (the latter cached on disk)."""
 from __future__ import annotations
 
 import os
 
-import torch
 
 from nanoserve.cache import cache_dir, file_key
-from nanoserve.config import WEIGHT_DTYPES, ModelConfig
-from nanoserve.kernels.blocks import BlockWeight, quantize_q4, quantize_q8
-from nanoserve.model.layers import Linear, RotaryEmbedding
+from nanoserve.config import QUANTIZATIONS, WEIGHT_DTYPES, ModelConfig
+from nanoserve.kernels.quant import FLOAT_TYPES, QuantWeight, from_float
+from nanoserve.model.layers import RotaryEmbedding
 from nanoserve.model.llama import LlamaForCausalLM
 from nanoserve.model.loader import ModelLoadError, load_model_weights
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# "auto": float32, plus 4-bit or 8-bit blocks on every matrix they represent exactly (a GGUF Q4_1 / Q8_0
-# model's). "q4": every matrix rounded to 4-bit blocks, which then define its values on every backend.
-Q4_EXACT_TOLERANCE = 1e-5  # relative to the matrix's largest weight
+DTYPE_TYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+QUANTIZED_VERSION = "1"  # bump when a quantizer's output changes, so that cached results are rebuilt
 
 
-def build_model(path: str, dtype: str, max_positions: int = 0) -> tuple[ModelConfig, LlamaForCausalLM]:
+def build_model(path: str, dtype: str = "auto", max_positions: int = 0,
+                quantization: str = "none") -> tuple[ModelConfig, LlamaForCausalLM]:
     if dtype not in WEIGHT_DTYPES:
         raise ModelLoadError(f"{path}: unsupported dtype {dtype!r} (choose one of {', '.join(WEIGHT_DTYPES)})")
+    if quantization not in QUANTIZATIONS:
+        raise ModelLoadError(f"{path}: unsupported quantization {quantization!r} "
+                             f"(choose one of {', '.join(QUANTIZATIONS)})")
     config, state = load_model_weights(path)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config, 1)
-    model = model.to_empty(device="cpu")
+    if dtype != "auto":
+        qtype = DTYPE_TYPES[dtype]
+        state = {k: _convert(v, qtype) if isinstance(v, QuantWeight) else v for k, v in state.items()}
+    if quantization != "none":
+        state = quantize_state(path, state, quantization.upper(), salt=dtype)
+    model = LlamaForCausalLM(config, 1)
     try:
-        model.load_hf_state_dict(state)
+        model.load_weights(state)
     except KeyError as exc:
         raise ModelLoadError(f"{path}: weight {exc.args[0]} is missing") from None
-    except RuntimeError as exc:  # shape mismatch
-        raise ModelLoadError(f"{path}: weights do not match the config ({str(exc).splitlines()[0]})") from None
-    # Only the big matrices take the chosen dtype; norms, biases, activations and KV stay float32.
-    weight_dtype = DTYPES.get(dtype, torch.float32)
-    for module in model.modules():
-        if isinstance(module, (Linear, torch.nn.Embedding)):
-            module.weight.data = module.weight.data.to(weight_dtype)
-    if dtype in ("auto", "q4"):
-        attach_cached_weight_blocks(path, model, exact_only=dtype == "auto")
-    if weight_dtype == torch.float32:
-        for module in model.modules():
-            if isinstance(module, Linear):
-                module.attach_onednn_weight()
+    except ValueError as exc:  # shape mismatch
+        raise ModelLoadError(f"{path}: weights do not match the config ({exc})") from None
     # cos/sin tables stay float32, sized for the context we will actually serve.
     model.rope = RotaryEmbedding(config.head_dim, max_positions or config.max_position_embeddings,
                                  config.rope_theta, config.rope_scaling)
     return config, model.eval()
 
 
-BLOCKS_VERSION = "3"  # bump when the block layout changes
+def _convert(w: QuantWeight, qtype: str) -> QuantWeight:
+    return w if w.qtype == qtype else from_float(w.dequantize(), qtype)
 
 
-def attach_cached_weight_blocks(path: str, model: LlamaForCausalLM, exact_only: bool) -> None:
-    """`attach_weight_blocks`, with the result of a model file cached on disk: checking and building
-    the blocks takes ~4 s for the default model, loading them back ~0.1 s."""
+def quantize_state(path: str, state: dict, qtype: str, salt: str) -> dict:
+    """The float matrices of `state` quantized to `qtype`, from the disk cache when this file was
+    quantized the same way before (gguf-py's quantizers take ~1 s per 10M weights here)."""
     from safetensors.torch import load_file, save_file
 
-    if not os.path.isfile(path):  # a Hugging Face directory: build every time
-        attach_weight_blocks(model, exact_only)
-        return
-    mode = "exact" if exact_only else "all"
-    cached = os.path.join(cache_dir("weight-blocks"),
-                          f"{os.path.basename(path)}-{file_key(path, BLOCKS_VERSION + mode)}.safetensors")
-    linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+    names = [k for k, v in state.items() if isinstance(v, QuantWeight) and v.qtype in FLOAT_TYPES
+             and v.k % 32 == 0]
+    key_path = path if os.path.isfile(path) else os.path.join(path, "config.json")
+    cached = os.path.join(cache_dir("quantized"), f"{os.path.basename(os.path.abspath(path))}-"
+                          f"{file_key(key_path, f'{QUANTIZED_VERSION}:{qtype}:{salt}:{_dir_stamp(path)}')}"
+                          ".safetensors")
+    out = dict(state)
     if os.path.isfile(cached):
         try:
             tensors = load_file(cached)
-            for name, module in linears.items():
-                parts = [tensors[f"{name}.{i}"] for i in range(3) if f"{name}.{i}" in tensors]
-                module.blocks = BlockWeight(*parts) if parts else None
-            match_weights_to_blocks(model)
-            return
-        except Exception:  # a damaged cache entry is rebuilt below
-            pass
-    attach_weight_blocks(model, exact_only)
-    tensors = {f"{name}.{i}": t for name, m in linears.items() if m.blocks is not None
-               for i, t in enumerate(m.blocks.tensors())}
+            for name in names:
+                out[name] = QuantWeight(qtype, tensors[name], state[name].k)
+            return out
+        except Exception:  # damaged or stale: quantized again below
+            out = dict(state)
+    for name in names:
+        out[name] = from_float(state[name].dequantize(), qtype)
     try:
         os.makedirs(os.path.dirname(cached), exist_ok=True)
         tmp = f"{cached}.{os.getpid()}.tmp"
-        save_file(tensors, tmp)
+        save_file({name: out[name].data for name in names}, tmp)
         os.replace(tmp, cached)
     except OSError:
-        pass  # no writable cache: the next start builds them again
+        pass  # no writable cache: the next start quantizes again
+    return out
 
 
-def attach_weight_blocks(model: LlamaForCausalLM, exact_only: bool) -> int:
-    """Gives Linear layers a 4-bit (or else 8-bit) block copy of their weight; with `exact_only`, only
-    a copy that reproduces the weight exactly. Returns how many layers got one."""
-    count = 0
-    for module in model.modules():
-        if not isinstance(module, Linear) or module.weight.shape[1] % 32:
-            continue
-        w = module.weight.data.float()
-        limit = Q4_EXACT_TOLERANCE * float(w.abs().max())
-        q4 = quantize_q4(w)
-        if not exact_only or float((q4.dequantize() - w).abs().max()) <= limit:
-            module.blocks = q4
-        else:
-            q8 = quantize_q8(w)
-            if float((q8.dequantize() - w).abs().max()) <= limit:
-                module.blocks = q8
-        count += module.blocks is not None
-    match_weights_to_blocks(model)
-    return count
+def _dir_stamp(path: str) -> str:
+    """For a model directory: the names, sizes and times of its weight files (they key the cache)."""
+    if os.path.isfile(path):
+        return ""
+    parts = []
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            st = os.stat(os.path.join(path, name))
+            parts.append(f"{name}:{st.st_size}:{st.st_mtime_ns}")
+    return ",".join(parts)
 
 
-def match_weights_to_blocks(model: LlamaForCausalLM) -> None:
-    """Every layer with blocks gets the blocks' own values as its float weight (a no-op for exact blocks,
-    the rounding for `--dtype q4`), so that every product of the layer, on any backend and at any step
-    size, multiplies the same numbers."""
-    for module in model.modules():
-        if isinstance(module, Linear) and module.blocks is not None:
-            module.weight.data = module.blocks.dequantize().to(module.weight.dtype)
+def describe_weights(model: LlamaForCausalLM) -> str:
+    """The matrices' types, counted, and their size, e.g. "Q4_K x150, Q6_K x31 (98.3 MiB)"."""
+    counts: dict[str, int] = {}
+    seen: dict[int, QuantWeight] = {}
+    for layer in model.linears():
+        for p in layer.parts:
+            counts[p.qtype] = counts.get(p.qtype, 0) + 1
+            seen[id(p.data)] = p
+    emb = model.embed_tokens.weight
+    if id(emb.data) not in seen:
+        counts[f"{emb.qtype} (embedding)"] = 1
+        seen[id(emb.data)] = emb
+    total = sum(w.nbytes for w in seen.values())
+    return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())) + f" ({total / 2**20:.1f} MiB)"
+
+
+def weight_bytes(model: LlamaForCausalLM) -> int:
+    """Bytes of every weight matrix (each shared matrix once) plus the float vectors."""
+    seen = {id(p.data): p.nbytes for layer in model.linears() for p in layer.parts}
+    seen[id(model.embed_tokens.weight.data)] = model.embed_tokens.weight.nbytes
+    return sum(seen.values()) + sum(t.numel() * t.element_size() for t in model.parameters())
+
+

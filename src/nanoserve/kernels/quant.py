@@ -1,0 +1,187 @@
+"""`QuantWeight`: a weight matrix in its file's form (a GGUF block type, or float32 / float16 / bfloat16),
+with the PyTorch reference that dequantizes it (bit for bit as `gguf.quants.dequantize`), the quantizers
+`--quantization` uses, and the reference for the 8-bit activations the int8 products run on."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+# GGML type name -> (its GGML enum value, weights per block, bytes per block). The enum values are the
+# type codes the C kernels take (kernels/quant_blocks.h).
+GGML_TYPES = {
+    "F32": (0, 1, 4), "F16": (1, 1, 2), "BF16": (30, 1, 2),
+    "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
+    "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210), "IQ4_NL": (20, 32, 18),
+}
+FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+BLOCK_TYPES = tuple(t for t in GGML_TYPES if t not in FLOAT_TYPES)
+# --quantization: the types a float matrix can be quantized to on load (gguf-py's quantizers).
+QUANTIZATIONS = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
+IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+@dataclass(eq=False)
+class QuantWeight:
+    """qtype: a key of GGML_TYPES. data: (N, K) of the float dtype for F32 / F16 / BF16; (N, row bytes)
+    uint8 blocks in GGUF's layout otherwise. Rows are whole blocks, so any set of rows is a QuantWeight."""
+    qtype: str
+    data: torch.Tensor
+    k: int
+
+    def __post_init__(self):
+        if self.qtype not in GGML_TYPES:
+            raise ValueError(f"unsupported weight type {self.qtype}")
+        _, block, nbytes = GGML_TYPES[self.qtype]
+        want = FLOAT_TYPES.get(self.qtype, torch.uint8)
+        width = self.k if self.qtype in FLOAT_TYPES else self.k // block * nbytes
+        if (self.data.dtype != want or self.data.dim() != 2 or self.data.shape[1] != width or self.k % block
+                or not self.data.is_contiguous()):
+            raise ValueError(f"inconsistent {self.qtype} weight: data {self.data.dtype} {tuple(self.data.shape)} "
+                             f"for {self.k} columns")
+        self.c_struct = None  # the kernels' BlockWeight, built by the C backend on first use
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.data.shape[0], self.k
+
+    @property
+    def type_code(self) -> int:
+        return GGML_TYPES[self.qtype][0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def dequantize(self, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """(N, K) float32, or (len(rows), K) for the selected rows (an embedding lookup)."""
+        data = self.data if rows is None else self.data.index_select(0, rows)
+        if self.qtype in FLOAT_TYPES:
+            return data.float()
+        n = data.shape[0]
+        _, block, nbytes = GGML_TYPES[self.qtype]
+        blocks = data.reshape(-1, nbytes)
+        return _DEQUANTIZE[self.qtype](blocks).reshape(n, self.k)
+
+    def rows(self, start: int, stop: int) -> "QuantWeight":
+        """Rows start..stop-1 as a view (no copy)."""
+        return QuantWeight(self.qtype, self.data[start:stop], self.k)
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """(B, 2) uint8 -> (B, 1) float32 of the little-endian float16."""
+    return b.contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """(B, 16 j) bytes -> (B, 32 j) values: each group of 16 bytes gives its low nibbles, then its high ones."""
+    g = qs.reshape(qs.shape[0], -1, 16)
+    return torch.cat([g & 15, g >> 4], dim=-1).reshape(qs.shape[0], -1)
+
+
+def _bits(b: torch.Tensor, count: int) -> torch.Tensor:
+    """(B, count / 8) bytes -> (B, count) bits, bit j of the little-endian word."""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    return ((b.unsqueeze(-1) >> shifts) & 1).reshape(b.shape[0], count)
+
+
+def _q4_0(b):
+    return _f16(b[:, :2]) * (_nibbles(b[:, 2:]).float() - 8)
+
+
+def _q4_1(b):
+    return _f16(b[:, :2]) * _nibbles(b[:, 4:]).float() + _f16(b[:, 2:4])
+
+
+def _q5_0(b):
+    q = _nibbles(b[:, 6:]) | (_bits(b[:, 2:6], 32) << 4)
+    return _f16(b[:, :2]) * (q.float() - 16)
+
+
+def _q5_1(b):
+    q = _nibbles(b[:, 8:]) | (_bits(b[:, 4:8], 32) << 4)
+    return _f16(b[:, :2]) * q.float() + _f16(b[:, 2:4])
+
+
+def _q8_0(b):
+    return _f16(b[:, :2]) * b[:, 2:].contiguous().view(torch.int8).float()
+
+
+def _iq4_nl(b):
+    table = torch.tensor(IQ4_NL_VALUES, dtype=torch.float32)
+    return _f16(b[:, :2]) * table[_nibbles(b[:, 2:]).long()]
+
+
+def k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: 12 bytes -> 8 six-bit scales and 8 six-bit mins per super-block, (B, 8) each."""
+    d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc, mn
+
+
+def _k_low(qs: torch.Tensor) -> torch.Tensor:
+    """(B, 128) bytes -> (B, 8, 32): sub-block 2c takes chunk c's low nibbles, 2c + 1 its high ones."""
+    g = qs.reshape(qs.shape[0], 4, 1, 32)
+    return torch.cat([g & 15, g >> 4], dim=2).reshape(qs.shape[0], 8, 32)
+
+
+def _q4_k(b):
+    sc, mn = k_scales(b[:, 4:16])
+    d = (_f16(b[:, :2]) * sc.float()).unsqueeze(-1)
+    dm = (_f16(b[:, 2:4]) * mn.float()).unsqueeze(-1)
+    return (d * _k_low(b[:, 16:]).float() - dm).reshape(b.shape[0], 256)
+
+
+def _q5_k(b):
+    sc, mn = k_scales(b[:, 4:16])
+    d = (_f16(b[:, :2]) * sc.float()).unsqueeze(-1)
+    dm = (_f16(b[:, 2:4]) * mn.float()).unsqueeze(-1)
+    high = (b[:, 16:48].unsqueeze(1) >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)) & 1  # (B, 8, 32)
+    q = _k_low(b[:, 48:]) | (high << 4)
+    return (d * q.float() - dm).reshape(b.shape[0], 256)
+
+
+def _q6_k(b):
+    n = b.shape[0]
+    ql = b[:, :128].reshape(n, 2, 1, 64)
+    ql = torch.cat([ql & 15, ql >> 4], dim=2).reshape(n, 8, 32)  # group g = 4 h + 2 (shift) + part
+    qh = (b[:, 128:192].reshape(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)) & 3
+    q = (ql | (qh.reshape(n, 8, 32) << 4)).to(torch.int8) - 32
+    scales = b[:, 192:208].contiguous().view(torch.int8).float()  # (B, 16)
+    d = (_f16(b[:, 208:210]) * scales).unsqueeze(-1)  # (B, 16, 1)
+    return (d * q.reshape(n, 16, 16).float()).reshape(n, 256)
+
+
+_DEQUANTIZE = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0, "IQ4_NL": _iq4_nl,
+               "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+
+
+def from_float(w: torch.Tensor, qtype: str) -> QuantWeight:
+    """A float (N, K) matrix in `qtype`: a float type by conversion, a block type by gguf-py's quantizer
+    (round to nearest, llama.cpp's reference quantization for these types)."""
+    if qtype in FLOAT_TYPES:
+        return QuantWeight(qtype, w.to(FLOAT_TYPES[qtype]).contiguous(), w.shape[1])
+    import gguf
+
+    array = w.detach().float().contiguous().numpy()
+    blocks = gguf.quants.quantize(array, gguf.GGMLQuantizationType[qtype])
+    return QuantWeight(qtype, torch.from_numpy(np.ascontiguousarray(blocks)), w.shape[1])
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x (M, K) as the int8 products see it, back in float32: per block of 32, q = round(x / (s * dx))
+    in -127..127, with dx the row's largest |x| / (127 * 32767) and s the block's integer scale in
+    1..32767 (kernels/int8_gemm.c). The product of this with the dequantized weight is the reference
+    for `--activation-dtype int8`."""
+    rows, width = x.shape
+    blocks = x.float().reshape(rows, width // 32, 32)
+    amax = blocks.abs().amax(-1)  # (M, nb)
+    # An all-zero row keeps q = 0 (the tiny floor only avoids 0 / 0).
+    dx = (amax.amax(-1, keepdim=True) / (127.0 * 32767.0)).clamp(min=torch.finfo(torch.float32).tiny)
+    s = torch.ceil(amax / (127.0 * dx)).clamp(1, 32767)
+    step = (s * dx).unsqueeze(-1)
+    q = torch.round(blocks * (1.0 / step))
+    return (q * step).reshape(rows, width)

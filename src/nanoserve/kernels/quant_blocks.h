@@ -1,0 +1,207 @@
+/* The weight types the products read, in their GGUF layouts (codes are the GGML enum values, as in
+ * kernels/quant.py), and one decoder: decode32() turns any 32 consecutive weights of a block type into
+ * 32 byte codes q and w[j] = (j < 16 ? s0 : s1) * q[j] + m, the values gguf-py's dequantize gives, bit for
+ * bit (each is one rounding of an exact product). q is unsigned (0..63) for the types with an offset or
+ * a minimum and signed (-127..127) for the others (TYPE_SIGNED). Every kernel that reads weights is
+ * written once over decode32() and instantiated per type (FOR_EACH_BLOCK_TYPE). */
+#ifndef NANOSERVE_QUANT_BLOCKS_H
+#define NANOSERVE_QUANT_BLOCKS_H
+
+#include "simd.h"
+#include <stdint.h>
+#include <string.h>
+
+#define T_F32 0
+#define T_F16 1
+#define T_Q4_0 2
+#define T_Q4_1 3
+#define T_Q5_0 6
+#define T_Q5_1 7
+#define T_Q8_0 8
+#define T_Q4_K 12
+#define T_Q5_K 13
+#define T_Q6_K 14
+#define T_IQ4_NL 20
+#define T_BF16 30
+
+#define NS_ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* The block types, for the switches that instantiate a kernel per type (X(type) per entry). */
+#define FOR_EACH_BLOCK_TYPE(X) X(T_Q4_0) X(T_Q4_1) X(T_Q5_0) X(T_Q5_1) X(T_Q8_0) X(T_Q4_K) X(T_Q5_K) X(T_Q6_K) X(T_IQ4_NL)
+
+#define TYPE_SIGNED(t) ((t) == T_Q8_0 || (t) == T_Q6_K || (t) == T_IQ4_NL)
+#define TYPE_IS_FLOAT(t) ((t) == T_F32 || (t) == T_F16 || (t) == T_BF16)
+
+/* Bytes of one block of the type and the weights it holds (1 for the float types). */
+static inline int64_t type_block_bytes(int64_t t) {
+    switch (t) {
+    case T_F32: return 4;
+    case T_F16: case T_BF16: return 2;
+    case T_Q4_0: case T_IQ4_NL: return 18;
+    case T_Q4_1: return 20;
+    case T_Q5_0: return 22;
+    case T_Q5_1: return 24;
+    case T_Q8_0: return 34;
+    case T_Q4_K: return 144;
+    case T_Q5_K: return 176;
+    case T_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+static inline int64_t type_block_weights(int64_t t) {
+    return TYPE_IS_FLOAT(t) ? 1 : (t == T_Q4_K || t == T_Q5_K || t == T_Q6_K) ? 256 : 32;
+}
+
+typedef struct {
+    __m256i q;       /* 32 codes, weight j in byte j */
+    float s0, s1, m; /* w[j] = (j < 16 ? s0 : s1) * q[j] + m */
+} Sub32;
+
+static inline float f16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* 16 bytes of nibble pairs -> 32 bytes: the low nibbles (weights 0..15), then the high ones (16..31). */
+NS_ALWAYS_INLINE __m256i nibbles32(const uint8_t *p) {
+    const __m128i by = _mm_loadu_si128((const __m128i *)p), low4 = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(by, 4), low4), _mm_and_si128(by, low4));
+}
+
+/* 32 bits (little-endian at p) -> 32 bytes, byte j = 16 where bit j is set: the fifth bit of Q5 codes. */
+NS_ALWAYS_INLINE __m256i fifth_bits(const uint8_t *p) {
+    static const uint8_t spread[32] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                       2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
+    int32_t bits;
+    memcpy(&bits, p, 4);
+    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(bits), _mm256_loadu_si256((const __m256i *)spread));
+    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201ULL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+/* Q4_K / Q5_K: the six-bit scale and minimum of sub-block j (0..7) from the super-block's 12 bytes. */
+static inline void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* Weights 32 b .. 32 b + 31 of a row of type t (a compile-time constant where this is inlined). */
+NS_ALWAYS_INLINE Sub32 decode32(int t, const uint8_t *row, int64_t b) {
+    Sub32 r;
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    switch (t) {
+    case T_Q4_0: {
+        const uint8_t *p = row + b * 18;
+        const float d = f16_at(p);
+        r.q = nibbles32(p + 2);
+        r.s0 = r.s1 = d;
+        r.m = -8.0f * d;
+        break;
+    }
+    case T_Q4_1: {
+        const uint8_t *p = row + b * 20;
+        r.q = nibbles32(p + 4);
+        r.s0 = r.s1 = f16_at(p);
+        r.m = f16_at(p + 2);
+        break;
+    }
+    case T_Q5_0: {
+        const uint8_t *p = row + b * 22;
+        const float d = f16_at(p);
+        r.q = _mm256_or_si256(nibbles32(p + 6), fifth_bits(p + 2));
+        r.s0 = r.s1 = d;
+        r.m = -16.0f * d;
+        break;
+    }
+    case T_Q5_1: {
+        const uint8_t *p = row + b * 24;
+        r.q = _mm256_or_si256(nibbles32(p + 8), fifth_bits(p + 4));
+        r.s0 = r.s1 = f16_at(p);
+        r.m = f16_at(p + 2);
+        break;
+    }
+    case T_Q8_0: {
+        const uint8_t *p = row + b * 34;
+        r.q = _mm256_loadu_si256((const __m256i *)(p + 2));
+        r.s0 = r.s1 = f16_at(p);
+        r.m = 0.0f;
+        break;
+    }
+    case T_IQ4_NL: {
+        static const int8_t values[32] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+                                          -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+        const uint8_t *p = row + b * 18;
+        r.q = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)values), nibbles32(p + 2));
+        r.s0 = r.s1 = f16_at(p);
+        r.m = 0.0f;
+        break;
+    }
+    case T_Q4_K:
+    case T_Q5_K: {
+        const int j = (int)(b & 7);
+        const uint8_t *p = row + (b >> 3) * (t == T_Q4_K ? 144 : 176);
+        const uint8_t *qs = p + (t == T_Q4_K ? 16 : 48) + (j >> 1) * 32;
+        int sc, mn;
+        k_scale_min(p + 4, j, &sc, &mn);
+        __m256i q = _mm256_loadu_si256((const __m256i *)qs);
+        q = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(q, 4) : q, low4);
+        if (t == T_Q5_K) {
+            const __m256i bit = _mm256_set1_epi8((int8_t)(1 << j));
+            const __m256i qh = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(p + 16)), bit);
+            q = _mm256_or_si256(q, _mm256_and_si256(_mm256_cmpeq_epi8(qh, bit), _mm256_set1_epi8(0x10)));
+        }
+        r.q = q;
+        r.s0 = r.s1 = f16_at(p) * (float)sc;
+        r.m = -(f16_at(p + 2) * (float)mn);
+        break;
+    }
+    case T_Q6_K: {
+        const int g = (int)(b & 7), h = g >> 2, part = g & 3;
+        const uint8_t *p = row + (b >> 3) * 210;
+        __m256i ql = _mm256_loadu_si256((const __m256i *)(p + h * 64 + (part & 1) * 32));
+        ql = _mm256_and_si256(part >> 1 ? _mm256_srli_epi16(ql, 4) : ql, low4);
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + h * 32));
+        qh = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * part), _mm256_set1_epi8(3));
+        /* (qh << 4) without a byte shift: qh is 0..3, so qh * 16 = qh shifted within its byte */
+        qh = _mm256_and_si256(_mm256_slli_epi32(qh, 4), _mm256_set1_epi8(0x30));
+        r.q = _mm256_sub_epi8(_mm256_or_si256(ql, qh), _mm256_set1_epi8(32));
+        const int8_t *sc = (const int8_t *)(p + 192);
+        const float d = f16_at(p + 208);
+        r.s0 = d * (float)sc[2 * g];
+        r.s1 = d * (float)sc[2 * g + 1];
+        r.m = 0.0f;
+        break;
+    }
+    default:
+        r.q = _mm256_setzero_si256();
+        r.s0 = r.s1 = r.m = 0.0f;
+    }
+    return r;
+}
+
+/* Eight weights k .. k + 7 of a row of a float type, as float32. */
+NS_ALWAYS_INLINE __m256 load8_float_type(int t, const void *row, int64_t k) {
+    if (t == T_F32) return _mm256_loadu_ps((const float *)row + k);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + k));
+    if (t == T_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); /* bfloat16 */
+}
+
+static inline float load1_float_type(int64_t t, const void *row, int64_t k) {
+    if (t == T_F32) return ((const float *)row)[k];
+    const uint16_t h = ((const uint16_t *)row)[k];
+    if (t == T_F16) return _cvtsh_ss(h);
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+#endif

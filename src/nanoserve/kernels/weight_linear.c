@@ -1,0 +1,275 @@
+/* y = x W^T on float32 activations, for W of every type quant_blocks.h reads (block types and float32 /
+ * float16 / bfloat16), straight from the file's layout. Few rows (a decode step) stream each weight
+ * row once from memory and use it for every row of x, which bounds the step by the bytes of the
+ * weights; more rows (block_gemm_f32, below) dequantize a group of weight rows into float32 once (it
+ * stays in L2) and multiply x against it in register tiles. */
+#include "simd.h"
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "abi.h"
+#include "quant_blocks.h"
+#include "vec_math.h"
+
+#define ROWS 4 /* rows of x kept in registers per pass over a weight row */
+
+/* The 8 partial sums of 16 activations times 16 weights (as 2 vectors of 8 floats). */
+NS_ALWAYS_INLINE __m256 dot16(const float *xr, __m256 q0, __m256 q1) {
+    return _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), q1, _mm256_mul_ps(_mm256_loadu_ps(xr), q0));
+}
+
+/* The 32 codes of a Sub32 as 4 vectors of 8 floats. */
+NS_ALWAYS_INLINE void codes_to_float(int t, __m256i q, __m256 *f) {
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    if (TYPE_SIGNED(t)) {
+        f[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+        f[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+        f[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+        f[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+    } else {
+        f[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+        f[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+        f[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+        f[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    }
+}
+
+/* Streaming, block types: per block, sum_j w_j x_j = s0 (q . x)[0:16] + s1 (q . x)[16:32] + m sum(x). */
+NS_ALWAYS_INLINE void stream_blocks(int t, const float *x, const BlockWeight *w, float *out, int64_t M, int64_t ldo,
+                                    const float *xsum) {
+    const int64_t K = w->k, nb = K / 32, rb = w->row_bytes;
+    const uint8_t *data = (const uint8_t *)w->data;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < w->n; n++) {
+        const uint8_t *row = data + n * rb;
+        for (int64_t i0 = 0; i0 < M; i0 += ROWS) {
+            const int64_t rows = M - i0 < ROWS ? M - i0 : ROWS;
+            __m256 acc[ROWS];
+            float macc[ROWS];
+            for (int r = 0; r < ROWS; r++) {
+                acc[r] = _mm256_setzero_ps();
+                macc[r] = 0.0f;
+            }
+            for (int64_t b = 0; b < nb; b++) {
+                const Sub32 s = decode32(t, row, b);
+                __m256 q[4];
+                codes_to_float(t, s.q, q);
+                const __m256 s0 = _mm256_set1_ps(s.s0), s1 = _mm256_set1_ps(s.s1);
+                for (int64_t r = 0; r < rows; r++) {
+                    const float *xr = x + (i0 + r) * K + b * 32;
+                    if (t == T_Q6_K) {
+                        acc[r] = _mm256_fmadd_ps(s0, dot16(xr, q[0], q[1]), acc[r]);
+                        acc[r] = _mm256_fmadd_ps(s1, dot16(xr + 16, q[2], q[3]), acc[r]);
+                    } else {
+                        const __m256 d = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), q[3],
+                                                         _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), q[2], dot16(xr, q[0], q[1])));
+                        acc[r] = _mm256_fmadd_ps(s0, d, acc[r]);
+                    }
+                    if (!TYPE_SIGNED(t)) macc[r] += s.m * xsum[(i0 + r) * nb + b];
+                }
+            }
+            for (int64_t r = 0; r < rows; r++) out[(i0 + r) * ldo + n] = hsum256(acc[r]) + macc[r];
+        }
+    }
+}
+
+/* Streaming, float types: 8 weights at a time converted to float32, times every row of x. */
+NS_ALWAYS_INLINE void stream_floats(int t, const float *x, const BlockWeight *w, float *out, int64_t M, int64_t ldo) {
+    const int64_t K = w->k, K8 = K / 8 * 8;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < w->n; n++) {
+        const uint8_t *row = (const uint8_t *)w->data + n * w->row_bytes;
+        for (int64_t i0 = 0; i0 < M; i0 += ROWS) {
+            const int64_t rows = M - i0 < ROWS ? M - i0 : ROWS;
+            __m256 acc[ROWS];
+            for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
+            for (int64_t k = 0; k < K8; k += 8) {
+                const __m256 wv = load8_float_type(t, row, k);
+                for (int64_t r = 0; r < rows; r++) acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (i0 + r) * K + k), acc[r]);
+            }
+            for (int64_t r = 0; r < rows; r++) {
+                float tail = 0.0f;
+                for (int64_t k = K8; k < K; k++) tail += load1_float_type(t, row, k) * x[(i0 + r) * K + k];
+                out[(i0 + r) * ldo + n] = hsum256(acc[r]) + tail;
+            }
+        }
+    }
+}
+
+/* out (M, columns of w, row stride ldo) = x (M, K) W^T, streaming W once: for a few rows. */
+void weight_stream_f32(const float *x, const BlockWeight *w, float *out, int64_t M, int64_t ldo) {
+    switch (w->type) {
+    case T_F32: stream_floats(T_F32, x, w, out, M, ldo); return;
+    case T_F16: stream_floats(T_F16, x, w, out, M, ldo); return;
+    case T_BF16: stream_floats(T_BF16, x, w, out, M, ldo); return;
+    default: break;
+    }
+    const int64_t nb = w->k / 32;
+    float *xsum = malloc(sizeof(float) * (size_t)(M * nb)); /* sum of x over each block, for the m term */
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + i * w->k + b * 32;
+            __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
+                                     _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)));
+            xsum[i * nb + b] = hsum256(s);
+        }
+    switch (w->type) {
+#define CASE(T) case T: stream_blocks(T, x, w, out, M, ldo, xsum); break;
+        FOR_EACH_BLOCK_TYPE(CASE)
+#undef CASE
+    default: break;
+    }
+    free(xsum);
+}
+
+/* Weight rows n0 .. n0 + rows - 1 as float32 (rows, K) in buf: exactly the values gguf-py dequantizes to. */
+NS_ALWAYS_INLINE void dequant_rows_type(int t, const BlockWeight *w, int64_t n0, int64_t rows, float *buf) {
+    const int64_t K = w->k;
+    for (int64_t j = 0; j < rows; j++) {
+        const uint8_t *row = (const uint8_t *)w->data + (n0 + j) * w->row_bytes;
+        float *o = buf + j * K;
+        if (TYPE_IS_FLOAT(t)) {
+            int64_t k = 0;
+            for (; k + 8 <= K; k += 8) _mm256_storeu_ps(o + k, load8_float_type(t, row, k));
+            for (; k < K; k++) o[k] = load1_float_type(t, row, k);
+            continue;
+        }
+        for (int64_t b = 0; b < K / 32; b++) {
+            const Sub32 s = decode32(t, row, b);
+            __m256 q[4];
+            codes_to_float(t, s.q, q);
+            const __m256 s0 = _mm256_set1_ps(s.s0), s1 = _mm256_set1_ps(s.s1), m = _mm256_set1_ps(s.m);
+            for (int c = 0; c < 4; c++) {
+                const __m256 sc = c < 2 ? s0 : s1;
+                /* one rounding of the exact product (plus the minimum), as gguf-py computes it */
+                _mm256_storeu_ps(o + b * 32 + c * 8, TYPE_SIGNED(t) ? _mm256_mul_ps(q[c], sc) : _mm256_fmadd_ps(q[c], sc, m));
+            }
+        }
+    }
+}
+
+void dequant_rows(const BlockWeight *w, int64_t n0, int64_t rows, float *buf) {
+    switch (w->type) {
+#define CASE(T) case T: dequant_rows_type(T, w, n0, rows, buf); break;
+        FOR_EACH_BLOCK_TYPE(CASE) CASE(T_F32) CASE(T_F16) CASE(T_BF16)
+#undef CASE
+    default: break;
+    }
+}
+
+/* Steps with more rows (a decode batch of 6 or more, a prompt): each thread dequantizes a group of
+ * weight rows into float32 once (it stays in L2), then multiplies x against it in tiles of 16 rows of x
+ * (two vectors of x transposed, so that a vector holds 8 rows at one k) by 6 weight rows (broadcast):
+ * 12 accumulators, and per k 2 loads, 6 broadcasts and 12 FMAs, so the loop is bound by FMAs rather than
+ * loads. Weights stream from memory in their compact form, which matters once a step no longer fits
+ * the cache. */
+#define TILE_COLS 6 /* weight rows per tile (tile16x6) */
+#define NG 24       /* weight rows dequantized per group */
+#ifndef KC
+#define KC 192      /* the slice of K one pass of tiles covers */
+#endif
+
+/* acc (6, 16) += a (kc, 16) times 6 float32 weight rows w (rows K apart, kc long): one 16 x 6 tile
+ * of the output over a slice of K; the 12 accumulators are named so that they stay in registers. */
+static void tile16x6(const float *a, const float *w, int64_t K, int64_t kc, float *acc) {
+    __m256 c00 = _mm256_loadu_ps(acc), c01 = _mm256_loadu_ps(acc + 16), c02 = _mm256_loadu_ps(acc + 32);
+    __m256 c03 = _mm256_loadu_ps(acc + 48), c04 = _mm256_loadu_ps(acc + 64), c05 = _mm256_loadu_ps(acc + 80);
+    __m256 c10 = _mm256_loadu_ps(acc + 8), c11 = _mm256_loadu_ps(acc + 24), c12 = _mm256_loadu_ps(acc + 40);
+    __m256 c13 = _mm256_loadu_ps(acc + 56), c14 = _mm256_loadu_ps(acc + 72), c15 = _mm256_loadu_ps(acc + 88);
+    const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *w3 = w + 3 * K, *w4 = w + 4 * K, *w5 = w + 5 * K;
+    for (int64_t k = 0; k < kc; k++, a += 16) {
+        const __m256 a0 = _mm256_loadu_ps(a), a1 = _mm256_loadu_ps(a + 8);
+        __m256 b = _mm256_broadcast_ss(w0 + k);
+        c00 = _mm256_fmadd_ps(a0, b, c00); c10 = _mm256_fmadd_ps(a1, b, c10);
+        b = _mm256_broadcast_ss(w1 + k);
+        c01 = _mm256_fmadd_ps(a0, b, c01); c11 = _mm256_fmadd_ps(a1, b, c11);
+        b = _mm256_broadcast_ss(w2 + k);
+        c02 = _mm256_fmadd_ps(a0, b, c02); c12 = _mm256_fmadd_ps(a1, b, c12);
+        b = _mm256_broadcast_ss(w3 + k);
+        c03 = _mm256_fmadd_ps(a0, b, c03); c13 = _mm256_fmadd_ps(a1, b, c13);
+        b = _mm256_broadcast_ss(w4 + k);
+        c04 = _mm256_fmadd_ps(a0, b, c04); c14 = _mm256_fmadd_ps(a1, b, c14);
+        b = _mm256_broadcast_ss(w5 + k);
+        c05 = _mm256_fmadd_ps(a0, b, c05); c15 = _mm256_fmadd_ps(a1, b, c15);
+    }
+    _mm256_storeu_ps(acc, c00); _mm256_storeu_ps(acc + 16, c01); _mm256_storeu_ps(acc + 32, c02);
+    _mm256_storeu_ps(acc + 48, c03); _mm256_storeu_ps(acc + 64, c04); _mm256_storeu_ps(acc + 80, c05);
+    _mm256_storeu_ps(acc + 8, c10); _mm256_storeu_ps(acc + 24, c11); _mm256_storeu_ps(acc + 40, c12);
+    _mm256_storeu_ps(acc + 56, c13); _mm256_storeu_ps(acc + 72, c14); _mm256_storeu_ps(acc + 88, c15);
+}
+
+/* acc (16) += a (kc, 16) times one weight row: the columns left over when N is not a multiple of 6. */
+static void tile16x1(const float *a, const float *w, int64_t kc, float *acc) {
+    __m256 c0 = _mm256_loadu_ps(acc), c1 = _mm256_loadu_ps(acc + 8);
+    for (int64_t k = 0; k < kc; k++, a += 16) {
+        const __m256 b = _mm256_broadcast_ss(w + k);
+        c0 = _mm256_fmadd_ps(_mm256_loadu_ps(a), b, c0);
+        c1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + 8), b, c1);
+    }
+    _mm256_storeu_ps(acc, c0);
+    _mm256_storeu_ps(acc + 8, c1);
+}
+
+/* acc (12, 16) += a (kc, first 8 of 16 rows) times 12 weight rows: a panel with at most 8 rows left
+ * (12 accumulators of 8 rows, per k 1 load, 12 broadcasts and 12 FMAs), so a step of M = 16p + r rows
+ * with r <= 8 does not pay for 16. Each output's sum runs over k in the same order as in tile16x6. */
+static void tile8x12(const float *a, const float *w, int64_t K, int64_t kc, float *acc) {
+    __m256 c[12];
+    for (int j = 0; j < 12; j++) c[j] = _mm256_loadu_ps(acc + j * 16);
+    for (int64_t k = 0; k < kc; k++, a += 16) {
+        const __m256 a0 = _mm256_loadu_ps(a);
+        for (int j = 0; j < 12; j++) c[j] = _mm256_fmadd_ps(a0, _mm256_broadcast_ss(w + j * K + k), c[j]);
+    }
+    for (int j = 0; j < 12; j++) _mm256_storeu_ps(acc + j * 16, c[j]);
+}
+
+static void tile8x1(const float *a, const float *w, int64_t kc, float *acc) {
+    __m256 c0 = _mm256_loadu_ps(acc);
+    for (int64_t k = 0; k < kc; k++, a += 16) c0 = _mm256_fmadd_ps(_mm256_loadu_ps(a), _mm256_broadcast_ss(w + k), c0);
+    _mm256_storeu_ps(acc, c0);
+}
+
+/* out (M, columns of w, row stride ldo) = x (M, K) W^T for any number of rows. */
+void weight_gemm_f32(const float *x, const BlockWeight *w, float *out, int64_t M, int64_t ldo) {
+    const int64_t K = w->k, N = w->n;
+    const int64_t Mp = (M + 15) / 16 * 16, panels = Mp / 16;
+    /* x transposed in panels of 16 rows, each (K, 16) and contiguous, rows past M zero */
+    float *xT = calloc((size_t)(K * Mp), sizeof(float));
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t k = 0; k < K; k++) xT[(i / 16) * K * 16 + k * 16 + i % 16] = x[i * K + k];
+    const int64_t groups = (N + NG - 1) / NG;
+#pragma omp parallel
+    {
+        float *buf = malloc(sizeof(float) * (size_t)(NG * K));
+        float *acc = malloc(sizeof(float) * (size_t)(panels * NG * 16)); /* (panel, column, 16 rows) */
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t n0 = g * NG, rows = N - n0 < NG ? N - n0 : NG;
+            dequant_rows(w, n0, rows, buf);
+            memset(acc, 0, sizeof(float) * (size_t)(panels * NG * 16));
+            /* Slices of K small enough that a panel's slice and 6 weight rows' slices stay in L1. */
+            for (int64_t k0 = 0; k0 < K; k0 += KC) {
+                const int64_t kc = K - k0 < KC ? K - k0 : KC;
+                for (int64_t p = 0; p < panels; p++) {
+                    const float *a = xT + p * K * 16 + k0 * 16;
+                    float *ap = acc + p * NG * 16;
+                    int64_t j = 0;
+                    if (M - p * 16 <= 8) {
+                        for (; j + 12 <= rows; j += 12) tile8x12(a, buf + j * K + k0, K, kc, ap + j * 16);
+                        for (; j < rows; j++) tile8x1(a, buf + j * K + k0, kc, ap + j * 16);
+                        continue;
+                    }
+                    for (; j + TILE_COLS <= rows; j += TILE_COLS) tile16x6(a, buf + j * K + k0, K, kc, ap + j * 16);
+                    for (; j < rows; j++) tile16x1(a, buf + j * K + k0, kc, ap + j * 16);
+                }
+            }
+            for (int64_t i = 0; i < M; i++)
+                for (int64_t j = 0; j < rows; j++) out[i * ldo + n0 + j] = acc[((i / 16) * NG + j) * 16 + i % 16];
+        }
+        free(buf);
+        free(acc);
+    }
+    free(xT);
+}

@@ -1,0 +1,45 @@
+"""The weight formats: every GGUF block type's PyTorch dequantization equals gguf-py's bit for bit, on
+random blocks with valid scales (K types written from random codes and scales, which gguf-py cannot
+quantize); the quantizers of --quantization round-trip."""
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from nanoserve.kernels.quant import BLOCK_TYPES, QuantWeight, from_float
+from weights import random_blocks
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+def test_dequantize_equals_gguf_bit_for_bit(qtype):
+    w = random_blocks(qtype, 7, 512)
+    ours = w.dequantize().numpy()
+    ref = gguf.quants.dequantize(w.data.numpy(), gguf.GGMLQuantizationType[qtype])
+    assert ours.shape == ref.shape
+    assert np.array_equal(ours.view(np.uint32), ref.astype(np.float32).view(np.uint32))
+    rows = torch.tensor([5, 0, 5])
+    assert torch.equal(w.dequantize(rows), torch.from_numpy(ref[[5, 0, 5]]))
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16"])
+def test_float_types(qtype):
+    w = torch.randn(6, 40)
+    q = from_float(w, qtype)
+    assert q.qtype == qtype and q.shape == (6, 40)
+    assert torch.equal(q.dequantize(), w.to(q.data.dtype).float())
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_quantize_matches_gguf(qtype):
+    w = torch.randn(8, 256)
+    q = from_float(w, qtype)
+    ref = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[qtype])
+    assert np.array_equal(q.data.numpy(), ref)
+    err = (q.dequantize() - w).abs().max().item()
+    assert err < {"Q8_0": 0.02, "Q5_0": 0.2, "Q5_1": 0.2}.get(qtype, 0.5)
+
+
+def test_inconsistent_shapes_are_refused():
+    with pytest.raises(ValueError, match="inconsistent Q4_K"):
+        QuantWeight("Q4_K", torch.zeros(2, 100, dtype=torch.uint8), 256)
+    with pytest.raises(ValueError, match="unsupported"):
+        QuantWeight("Q2_K", torch.zeros(2, 84, dtype=torch.uint8), 256)
