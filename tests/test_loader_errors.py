@@ -120,16 +120,38 @@ def test_cli_reports_one_line(tmp_path):
                                                 "(GGUF magic invalid)"]
 
 
-def test_gguf_conversion_cache_round_trip(tmp_path, monkeypatch, smollm_path):
-    """The cached float32 conversion gives the same config and weights; a damaged entry is rebuilt."""
+def test_gguf_header_cache_round_trip(tmp_path, monkeypatch, smollm_path):
+    """The cached GGUF header gives the same config and tensors; a damaged entry is parsed again."""
     monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path))
     fresh_cfg, fresh = load_model_weights(smollm_path)
-    (entry,) = (tmp_path / "weights").iterdir()
+    (entry,) = (tmp_path / "gguf-headers").iterdir()
     cached_cfg, cached = load_model_weights(smollm_path)
     assert cached_cfg == fresh_cfg and cached.keys() == fresh.keys()
     for name in ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
                  "model.layers.29.mlp.down_proj.weight"]:
-        assert torch.equal(cached[name], fresh[name])
+        assert cached[name].qtype == fresh[name].qtype and torch.equal(cached[name].data, fresh[name].data)
     entry.write_bytes(b"damaged")
     again_cfg, again = load_model_weights(smollm_path)
     assert again_cfg == fresh_cfg and torch.equal(again["model.norm.weight"], fresh["model.norm.weight"])
+
+
+def test_gguf_weights_are_the_files_blocks(smollm_path):
+    """Matrices keep the file's type and bytes (q and k rows put back in Hugging Face's order), and
+    dequantize to exactly what gguf-py reads."""
+    import gguf
+    import numpy as np
+
+    from nanoserve.model.loader import unpermute_rows
+
+    _, state = load_model_weights(smollm_path)
+    reader = gguf.GGUFReader(smollm_path)
+    tensors = {t.name: t for t in reader.tensors}
+    for gguf_name, hf_name, heads in [("blk.3.ffn_down.weight", "model.layers.3.mlp.down_proj.weight", None),
+                                      ("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight", 9),
+                                      ("token_embd.weight", "model.embed_tokens.weight", None)]:
+        t, ours = tensors[gguf_name], state[hf_name]
+        assert ours.qtype == t.tensor_type.name
+        ref = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+        if heads:
+            ref = ref[unpermute_rows(ref.shape[0], heads)]
+        assert torch.equal(ours.dequantize(), ref)

@@ -142,10 +142,57 @@ NS_ALWAYS_INLINE __m256i dot_codes(int t, __m256i wv, __m256i wabs, __m256i xv, 
         }                                                                                                   \
     }
 
-/* Rows i0 .. i0 + rows - 1 (i0 a multiple of TR) through the tiles, groups of weight rows in parallel. */
-NS_ALWAYS_INLINE void gemm_rows(int t, const QuantizedRows *xq, const BlockWeight *w, float *out, int64_t ldo,
-                                int64_t i0, int64_t M, int64_t nb, int64_t N) {
-    const int64_t panels = (M + TR - 1) / TR, groups = (N + NGI - 1) / NGI;
+/* One group of weight rows (n0 .. n0 + cols - 1) against rows i0 .. i0 + M - 1 of x: unpack, minimum
+ * terms, then the tiles. The scratch (wu, dv, mt, m_terms) is the calling thread's. */
+NS_ALWAYS_INLINE void gemm_group(int t, const QuantizedRows *xq, const BlockWeight *w, float *out, int64_t ldo,
+                                 int64_t i0, int64_t M, int64_t nb, int64_t n0, int64_t cols, uint8_t *wu, float *dv,
+                                 float *mt, float *m_terms) {
+    const int64_t panels = (M + TR - 1) / TR;
+    unpack_group(t, w, n0, cols, nb, wu, dv, mt);
+    /* the minimum term of every output, each lane one weight row, in block order (as stream_row) */
+    for (int64_t i = 0; i < M; i++) {
+        __m256 a[NGI / 8];
+        for (int v = 0; v < NGI / 8; v++) a[v] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const __m256 s = _mm256_set1_ps(xq->sum[(i0 + i) * nb + b]);
+            for (int v = 0; v < NGI / 8; v++) a[v] = _mm256_fmadd_ps(s, _mm256_loadu_ps(mt + b * NGI + v * 8), a[v]);
+        }
+        for (int v = 0; v < NGI / 8; v++) _mm256_storeu_ps(m_terms + i * NGI + v * 8, a[v]);
+    }
+    for (int64_t p = 0; p < panels; p++) {
+        const int8_t *qp = xq->q + (i0 / TR + p) * nb * TR * 32;
+        const int16_t *sp = xq->s + (i0 / TR + p) * nb * TR * 16;
+        const int64_t rows = M - p * TR < TR ? M - p * TR : TR;
+        int64_t j = 0;
+        for (; j + TC <= cols; j += TC) {
+            __m256 acc[TR][TC];
+            for (int r = 0; r < TR; r++) for (int c = 0; c < TC; c++) acc[r][c] = _mm256_setzero_ps();
+            TILE_BODY(TC)
+            for (int64_t r = 0; r < rows; r++)
+                for (int c = 0; c < TC; c++) {
+                    const int64_t i = p * TR + r;
+                    out[(i0 + i) * ldo + n0 + j + c] = finish(xq->dx[i0 + i], acc[r][c], m_terms[i * NGI + j + c]);
+                }
+        }
+        for (; j < cols; j++) {
+            __m256 acc[TR][1];
+            for (int r = 0; r < TR; r++) acc[r][0] = _mm256_setzero_ps();
+            TILE_BODY(1)
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t i = p * TR + r;
+                out[(i0 + i) * ldo + n0 + j] = finish(xq->dx[i0 + i], acc[r][0], m_terms[i * NGI + j]);
+            }
+        }
+    }
+}
+
+/* Rows i0 .. i0 + M - 1 (i0 a multiple of TR) through the tiles, groups of weight rows in parallel.
+ * NOTE: the type is dispatched inside the parallel region, per group, so that each gemm_group call has
+ * a literal type: GCC outlines OpenMP regions before it inlines, and a type passed into a region is a
+ * run-time value there (every decode32 would branch on it). */
+static void gemm_rows(const QuantizedRows *xq, const BlockWeight *w, float *out, int64_t ldo, int64_t i0, int64_t M,
+                      int64_t nb, int64_t N) {
+    const int64_t groups = (N + NGI - 1) / NGI;
 #pragma omp parallel
     {
         uint8_t *wu = aligned_alloc(32, (size_t)(NGI * nb * 32));
@@ -155,41 +202,11 @@ NS_ALWAYS_INLINE void gemm_rows(int t, const QuantizedRows *xq, const BlockWeigh
 #pragma omp for schedule(dynamic, 2)
         for (int64_t g = 0; g < groups; g++) {
             const int64_t n0 = g * NGI, cols = N - n0 < NGI ? N - n0 : NGI;
-            unpack_group(t, w, n0, cols, nb, wu, dv, mt);
-            /* the minimum term of every output, each lane one weight row, in block order (as stream_rows) */
-            for (int64_t i = 0; i < M; i++) {
-                __m256 a[NGI / 8];
-                for (int v = 0; v < NGI / 8; v++) a[v] = _mm256_setzero_ps();
-                for (int64_t b = 0; b < nb; b++) {
-                    const __m256 s = _mm256_set1_ps(xq->sum[(i0 + i) * nb + b]);
-                    for (int v = 0; v < NGI / 8; v++) a[v] = _mm256_fmadd_ps(s, _mm256_loadu_ps(mt + b * NGI + v * 8), a[v]);
-                }
-                for (int v = 0; v < NGI / 8; v++) _mm256_storeu_ps(m_terms + i * NGI + v * 8, a[v]);
-            }
-            for (int64_t p = 0; p < panels; p++) {
-                const int8_t *qp = xq->q + (i0 / TR + p) * nb * TR * 32;
-                const int16_t *sp = xq->s + (i0 / TR + p) * nb * TR * 16;
-                const int64_t rows = M - p * TR < TR ? M - p * TR : TR;
-                int64_t j = 0;
-                for (; j + TC <= cols; j += TC) {
-                    __m256 acc[TR][TC];
-                    for (int r = 0; r < TR; r++) for (int c = 0; c < TC; c++) acc[r][c] = _mm256_setzero_ps();
-                    TILE_BODY(TC)
-                    for (int64_t r = 0; r < rows; r++)
-                        for (int c = 0; c < TC; c++) {
-                            const int64_t i = p * TR + r;
-                            out[(i0 + i) * ldo + n0 + j + c] = finish(xq->dx[i0 + i], acc[r][c], m_terms[i * NGI + j + c]);
-                        }
-                }
-                for (; j < cols; j++) {
-                    __m256 acc[TR][1];
-                    for (int r = 0; r < TR; r++) acc[r][0] = _mm256_setzero_ps();
-                    TILE_BODY(1)
-                    for (int64_t r = 0; r < rows; r++) {
-                        const int64_t i = p * TR + r;
-                        out[(i0 + i) * ldo + n0 + j] = finish(xq->dx[i0 + i], acc[r][0], m_terms[i * NGI + j]);
-                    }
-                }
+            switch (w->type) {
+#define CASE(T) case T: gemm_group(T, xq, w, out, ldo, i0, M, nb, n0, cols, wu, dv, mt, m_terms); break;
+                FOR_EACH_BLOCK_TYPE(CASE)
+#undef CASE
+            default: break;
             }
         }
         free(wu);
@@ -202,46 +219,49 @@ NS_ALWAYS_INLINE void gemm_rows(int t, const QuantizedRows *xq, const BlockWeigh
 /* Up to STREAM_MAX_ROWS rows: each weight row's blocks are read once from memory and used for every row
  * of x (the step is bound by reading the weights), with the GEMM's operations in the GEMM's order. */
 #define STREAM_MAX_ROWS 2 /* measured: the GEMM is faster from 3 rows */
-NS_ALWAYS_INLINE void stream_rows(int t, const QuantizedRows *xq, const BlockWeight *w, float *out, int64_t ldo, int64_t M,
-                                  int64_t nb, int64_t N) {
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *row = (const uint8_t *)w->data + n * w->row_bytes;
-        __m256 acc[STREAM_MAX_ROWS];
-        float m_term[STREAM_MAX_ROWS];
+NS_ALWAYS_INLINE void stream_row(int t, const QuantizedRows *xq, const uint8_t *row, float *out, int64_t ldo,
+                                 int64_t M, int64_t nb) {
+    __m256 acc[STREAM_MAX_ROWS];
+    float m_term[STREAM_MAX_ROWS];
+    for (int64_t i = 0; i < M; i++) {
+        acc[i] = _mm256_setzero_ps();
+        m_term[i] = 0.0f;
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const Sub32 s = decode32(t, row, b);
+        const __m256i wa = TYPE_SIGNED(t) ? _mm256_abs_epi8(s.q) : s.q;
+        const __m256 dd = _mm256_set_m128(_mm_set1_ps(s.s1), _mm_set1_ps(s.s0));
         for (int64_t i = 0; i < M; i++) {
-            acc[i] = _mm256_setzero_ps();
-            m_term[i] = 0.0f;
+            const int64_t off = ((i / TR) * nb + b) * TR + i % TR;
+            const __m256i xv = _mm256_load_si256((const __m256i *)(xq->q + off * 32));
+            const __m256i sv = _mm256_load_si256((const __m256i *)(xq->s + off * 16));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_codes(t, s.q, wa, xv, sv)), dd, acc[i]);
+            /* the GEMM's minimum term: the same fused multiply-adds in block order */
+            if (!TYPE_SIGNED(t)) m_term[i] = NS_FMA(xq->sum[i * nb + b], s.m, m_term[i]);
         }
-        for (int64_t b = 0; b < nb; b++) {
-            const Sub32 s = decode32(t, row, b);
-            const __m256i wa = TYPE_SIGNED(t) ? _mm256_abs_epi8(s.q) : s.q;
-            const __m256 dd = _mm256_set_m128(_mm_set1_ps(s.s1), _mm_set1_ps(s.s0));
-            for (int64_t i = 0; i < M; i++) {
-                const int64_t off = ((i / TR) * nb + b) * TR + i % TR;
-                const __m256i xv = _mm256_load_si256((const __m256i *)(xq->q + off * 32));
-                const __m256i sv = _mm256_load_si256((const __m256i *)(xq->s + off * 16));
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_codes(t, s.q, wa, xv, sv)), dd, acc[i]);
-                /* the GEMM's minimum term: the same fused multiply-adds in block order */
-                if (!TYPE_SIGNED(t)) m_term[i] = NS_FMA(xq->sum[i * nb + b], s.m, m_term[i]);
-            }
-        }
-        for (int64_t i = 0; i < M; i++) out[i * ldo + n] = finish(xq->dx[i], acc[i], m_term[i]);
+    }
+    for (int64_t i = 0; i < M; i++) out[i * ldo] = finish(xq->dx[i], acc[i], m_term[i]);
+}
+
+/* Each weight row in parallel; one region per type, so that the type is a literal inside it (see gemm_rows). */
+static void stream_rows(const QuantizedRows *xq, const BlockWeight *w, float *out, int64_t ldo, int64_t M, int64_t nb) {
+    const uint8_t *data = (const uint8_t *)w->data;
+    const int64_t N = w->n, rb = w->row_bytes;
+    switch (w->type) {
+#define CASE(T)                                                                                              \
+    case T:                                                                                                  \
+        _Pragma("omp parallel for schedule(static)") for (int64_t n = 0; n < N; n++)                         \
+            stream_row(T, xq, data + n * rb, out + n, ldo, M, nb);                                           \
+        break;
+        FOR_EACH_BLOCK_TYPE(CASE)
+#undef CASE
+    default: break;
     }
 }
 
 /* Rows of x per pass of the GEMM over the weights: the quantized panel slice stays in L2, and each
  * pass unpacks the weights again (~2% of the work at 64 rows). */
 #define CHUNK_ROWS 64
-
-NS_ALWAYS_INLINE void gemm_i8_type(int t, const QuantizedRows *xq, const BlockWeight *w, float *out, int64_t M,
-                                   int64_t ldo) {
-    const int64_t nb = w->k / 32;
-    if (M <= STREAM_MAX_ROWS) stream_rows(t, xq, w, out, ldo, M, nb, w->n);
-    else
-        for (int64_t i0 = 0; i0 < M; i0 += CHUNK_ROWS)
-            gemm_rows(t, xq, w, out, ldo, i0, M - i0 < CHUNK_ROWS ? M - i0 : CHUNK_ROWS, nb, w->n);
-}
 
 /* out (M, columns of w, row stride ldo) = x (M, K) W^T, W of a block type, x quantized per block of 32:
  * few rows stream the weight blocks (bound by memory), more rows go through the tiled GEMM. */
@@ -250,12 +270,10 @@ void weight_gemm_i8(const float *x, const BlockWeight *w, float *out, int64_t M,
     QuantizedRows xq = {aligned_alloc(32, (size_t)(Mp * K)), aligned_alloc(32, sizeof(int16_t) * (size_t)(Mp * nb * 16)),
                         malloc(sizeof(float) * (size_t)Mp), malloc(sizeof(float) * (size_t)(Mp * nb))};
     quantize_rows(x, M, Mp, K, &xq);
-    switch (w->type) {
-#define CASE(T) case T: gemm_i8_type(T, &xq, w, out, M, ldo); break;
-        FOR_EACH_BLOCK_TYPE(CASE)
-#undef CASE
-    default: break;
-    }
+    if (M <= STREAM_MAX_ROWS) stream_rows(&xq, w, out, ldo, M, nb);
+    else
+        for (int64_t i0 = 0; i0 < M; i0 += CHUNK_ROWS)
+            gemm_rows(&xq, w, out, ldo, i0, M - i0 < CHUNK_ROWS ? M - i0 : CHUNK_ROWS, nb, w->n);
     free(xq.q);
     free(xq.s);
     free(xq.dx);

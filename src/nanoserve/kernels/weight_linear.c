@@ -36,88 +36,91 @@ NS_ALWAYS_INLINE void codes_to_float(int t, __m256i q, __m256 *f) {
     }
 }
 
-/* Streaming, block types: per block, sum_j w_j x_j = s0 (q . x)[0:16] + s1 (q . x)[16:32] + m sum(x). */
-NS_ALWAYS_INLINE void stream_blocks(int t, const float *x, const BlockWeight *w, float *out, int64_t M, int64_t ldo,
-                                    const float *xsum) {
-    const int64_t K = w->k, nb = K / 32, rb = w->row_bytes;
-    const uint8_t *data = (const uint8_t *)w->data;
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < w->n; n++) {
-        const uint8_t *row = data + n * rb;
-        for (int64_t i0 = 0; i0 < M; i0 += ROWS) {
-            const int64_t rows = M - i0 < ROWS ? M - i0 : ROWS;
-            __m256 acc[ROWS];
-            float macc[ROWS];
-            for (int r = 0; r < ROWS; r++) {
-                acc[r] = _mm256_setzero_ps();
-                macc[r] = 0.0f;
-            }
-            for (int64_t b = 0; b < nb; b++) {
-                const Sub32 s = decode32(t, row, b);
-                __m256 q[4];
-                codes_to_float(t, s.q, q);
-                const __m256 s0 = _mm256_set1_ps(s.s0), s1 = _mm256_set1_ps(s.s1);
-                for (int64_t r = 0; r < rows; r++) {
-                    const float *xr = x + (i0 + r) * K + b * 32;
-                    if (t == T_Q6_K) {
-                        acc[r] = _mm256_fmadd_ps(s0, dot16(xr, q[0], q[1]), acc[r]);
-                        acc[r] = _mm256_fmadd_ps(s1, dot16(xr + 16, q[2], q[3]), acc[r]);
-                    } else {
-                        const __m256 d = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), q[3],
-                                                         _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), q[2], dot16(xr, q[0], q[1])));
-                        acc[r] = _mm256_fmadd_ps(s0, d, acc[r]);
-                    }
-                    if (!TYPE_SIGNED(t)) macc[r] += s.m * xsum[(i0 + r) * nb + b];
-                }
-            }
-            for (int64_t r = 0; r < rows; r++) out[(i0 + r) * ldo + n] = hsum256(acc[r]) + macc[r];
+/* Streaming, one weight row of a block type against M rows of x: per block,
+ * sum_j w_j x_j = s0 (q . x)[0:16] + s1 (q . x)[16:32] + m sum(x). */
+NS_ALWAYS_INLINE void stream_block_row(int t, const float *x, const uint8_t *row, float *out, int64_t M, int64_t K,
+                                       int64_t ldo, const float *xsum) {
+    const int64_t nb = K / 32;
+    for (int64_t i0 = 0; i0 < M; i0 += ROWS) {
+        const int64_t rows = M - i0 < ROWS ? M - i0 : ROWS;
+        __m256 acc[ROWS];
+        float macc[ROWS];
+        for (int r = 0; r < ROWS; r++) {
+            acc[r] = _mm256_setzero_ps();
+            macc[r] = 0.0f;
         }
-    }
-}
-
-/* Streaming, float types: 8 weights at a time converted to float32, times every row of x. */
-NS_ALWAYS_INLINE void stream_floats(int t, const float *x, const BlockWeight *w, float *out, int64_t M, int64_t ldo) {
-    const int64_t K = w->k, K8 = K / 8 * 8;
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < w->n; n++) {
-        const uint8_t *row = (const uint8_t *)w->data + n * w->row_bytes;
-        for (int64_t i0 = 0; i0 < M; i0 += ROWS) {
-            const int64_t rows = M - i0 < ROWS ? M - i0 : ROWS;
-            __m256 acc[ROWS];
-            for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
-            for (int64_t k = 0; k < K8; k += 8) {
-                const __m256 wv = load8_float_type(t, row, k);
-                for (int64_t r = 0; r < rows; r++) acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (i0 + r) * K + k), acc[r]);
-            }
-            for (int64_t r = 0; r < rows; r++) {
-                float tail = 0.0f;
-                for (int64_t k = K8; k < K; k++) tail += load1_float_type(t, row, k) * x[(i0 + r) * K + k];
-                out[(i0 + r) * ldo + n] = hsum256(acc[r]) + tail;
-            }
-        }
-    }
-}
-
-/* out (M, columns of w, row stride ldo) = x (M, K) W^T, streaming W once: for a few rows. */
-void weight_stream_f32(const float *x, const BlockWeight *w, float *out, int64_t M, int64_t ldo) {
-    switch (w->type) {
-    case T_F32: stream_floats(T_F32, x, w, out, M, ldo); return;
-    case T_F16: stream_floats(T_F16, x, w, out, M, ldo); return;
-    case T_BF16: stream_floats(T_BF16, x, w, out, M, ldo); return;
-    default: break;
-    }
-    const int64_t nb = w->k / 32;
-    float *xsum = malloc(sizeof(float) * (size_t)(M * nb)); /* sum of x over each block, for the m term */
-    for (int64_t i = 0; i < M; i++)
         for (int64_t b = 0; b < nb; b++) {
-            const float *xb = x + i * w->k + b * 32;
-            __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
-                                     _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)));
-            xsum[i * nb + b] = hsum256(s);
+            const Sub32 s = decode32(t, row, b);
+            __m256 q[4];
+            codes_to_float(t, s.q, q);
+            const __m256 s0 = _mm256_set1_ps(s.s0), s1 = _mm256_set1_ps(s.s1);
+            for (int64_t r = 0; r < rows; r++) {
+                const float *xr = x + (i0 + r) * K + b * 32;
+                if (t == T_Q6_K) {
+                    acc[r] = _mm256_fmadd_ps(s0, dot16(xr, q[0], q[1]), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(s1, dot16(xr + 16, q[2], q[3]), acc[r]);
+                } else {
+                    const __m256 d = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), q[3],
+                                                     _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), q[2], dot16(xr, q[0], q[1])));
+                    acc[r] = _mm256_fmadd_ps(s0, d, acc[r]);
+                }
+                if (!TYPE_SIGNED(t)) macc[r] += s.m * xsum[(i0 + r) * nb + b];
+            }
         }
+        for (int64_t r = 0; r < rows; r++) out[(i0 + r) * ldo] = hsum256(acc[r]) + macc[r];
+    }
+}
+
+/* Streaming, one weight row of a float type: 8 weights at a time converted to float32, times each row of x. */
+NS_ALWAYS_INLINE void stream_float_row(int t, const float *x, const uint8_t *row, float *out, int64_t M, int64_t K,
+                                       int64_t ldo) {
+    const int64_t K8 = K / 8 * 8;
+    for (int64_t i0 = 0; i0 < M; i0 += ROWS) {
+        const int64_t rows = M - i0 < ROWS ? M - i0 : ROWS;
+        __m256 acc[ROWS];
+        for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t k = 0; k < K8; k += 8) {
+            const __m256 wv = load8_float_type(t, row, k);
+            for (int64_t r = 0; r < rows; r++) acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (i0 + r) * K + k), acc[r]);
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            float tail = 0.0f;
+            for (int64_t k = K8; k < K; k++) tail += load1_float_type(t, row, k) * x[(i0 + r) * K + k];
+            out[(i0 + r) * ldo] = hsum256(acc[r]) + tail;
+        }
+    }
+}
+
+NS_ALWAYS_INLINE void stream_row(int t, const float *x, const uint8_t *row, float *out, int64_t M, int64_t K, int64_t ldo,
+                                 const float *xsum) {
+    if (TYPE_IS_FLOAT(t)) stream_float_row(t, x, row, out, M, K, ldo);
+    else stream_block_row(t, x, row, out, M, K, ldo, xsum);
+}
+
+/* out (M, columns of w, row stride ldo) = x (M, K) W^T, streaming W once: for a few rows. One parallel
+ * region per type, so that the type is a literal inside it (GCC outlines OpenMP regions before it
+ * inlines; a type passed into a region would be a run-time value there, and every block would branch). */
+void weight_stream_f32(const float *x, const BlockWeight *w, float *out, int64_t M, int64_t ldo) {
+    const int64_t K = w->k, N = w->n, nb = K / 32, rb = w->row_bytes;
+    const uint8_t *data = (const uint8_t *)w->data;
+    float *xsum = NULL; /* sum of x over each block, for the m term of block types */
+    if (!TYPE_IS_FLOAT(w->type)) {
+        xsum = malloc(sizeof(float) * (size_t)(M * nb));
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t b = 0; b < nb; b++) {
+                const float *xb = x + i * K + b * 32;
+                __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
+                                         _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)));
+                xsum[i * nb + b] = hsum256(s);
+            }
+    }
     switch (w->type) {
-#define CASE(T) case T: stream_blocks(T, x, w, out, M, ldo, xsum); break;
-        FOR_EACH_BLOCK_TYPE(CASE)
+#define CASE(T)                                                                                              \
+    case T:                                                                                                  \
+        _Pragma("omp parallel for schedule(static)") for (int64_t n = 0; n < N; n++)                         \
+            stream_row(T, x, data + n * rb, out + n, M, K, ldo, xsum);                                       \
+        break;
+        FOR_EACH_BLOCK_TYPE(CASE) CASE(T_F32) CASE(T_F16) CASE(T_BF16)
 #undef CASE
     default: break;
     }
