@@ -244,7 +244,7 @@ def test_tokenize_detokenize_version_health_cors_request_id(server):
     version = httpx.get(f"{url}/version").json()
     assert version["version"] and version["compute"]["backend"] in ("c", "torch")
     assert version["compute"]["activations"] == "int8" and version["compute"]["kv_cache_dtype"] == "float16"
-    assert "4-bit blocks" in version["compute"]["weights"]
+    assert "Q4_1 x" in version["compute"]["weights"]
     assert "backend " + version["compute"]["backend"] in server.output()  # the one start-up line
     assert httpx.get(f"{url}/health").status_code == 200
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1},

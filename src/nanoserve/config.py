@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 WEIGHT_DTYPES = ("auto", "float32", "float16", "bfloat16")
-QUANTIZATIONS = ("none", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")  # kernels.quant.QUANTIZATIONS and "none"
+QUANTIZATIONS = ("none", "q8_0", "q6_k", "q5_k", "q5_1", "q5_0", "q4_k", "q4_1", "q4_0")  # kernels.quant.QUANTIZATIONS and "none"
 ACTIVATION_DTYPES = ("auto", "float32", "int8")
 KV_CACHE_DTYPES = ("auto", "float32", "float16")
 KERNEL_CHOICES = ("auto", "c", "torch")
@@ -86,7 +86,9 @@ class EngineConfig:
                         "tensors); float32 / float16 / bfloat16 = every matrix converted to that type",
                         choices=WEIGHT_DTYPES)
     quantization: str = option("none", "quantize the float (F32/F16/BF16) weight matrices on load to this GGUF "
-                               "block type (cached on disk); block-type matrices keep their type",
+                               "block type (cached on disk; a K type falls back as llama-quantize does, q4_k -> q5_0, q5_k -> q5_1, "
+                               "q6_k -> q8_0, for rows that are not a multiple of 256); block-type matrices keep "
+                               "their type",
                                choices=QUANTIZATIONS)
     activation_dtype: str = option(
         "auto", "int8: quantize activations to 8 bits per block of 32 before every product on block-type "

@@ -18,8 +18,11 @@ GGML_TYPES = {
 }
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 BLOCK_TYPES = tuple(t for t in GGML_TYPES if t not in FLOAT_TYPES)
-# --quantization: the types a float matrix can be quantized to on load (gguf-py's quantizers).
-QUANTIZATIONS = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
+# --quantization: the types a float matrix can be quantized to on load (gguf-py's quantizers for the
+# 32-weight blocks, kernels/k_quant.py for the K types).
+QUANTIZATIONS = ("q8_0", "q6_k", "q5_k", "q5_1", "q5_0", "q4_k", "q4_1", "q4_0")
+# A K type needs rows of a multiple of 256 weights; other rows take the type llama-quantize gives them.
+K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
@@ -160,10 +163,13 @@ _DEQUANTIZE = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0
 
 
 def from_float(w: torch.Tensor, qtype: str) -> QuantWeight:
-    """A float (N, K) matrix in `qtype`: a float type by conversion, a block type by gguf-py's quantizer
-    (round to nearest, llama.cpp's reference quantization for these types)."""
+    """A float (N, K) matrix in `qtype`: a float type by conversion, a K type by kernels/k_quant.py, the
+    others by gguf-py's quantizer (round to nearest, llama.cpp's reference quantization for these types)."""
     if qtype in FLOAT_TYPES:
         return QuantWeight(qtype, w.to(FLOAT_TYPES[qtype]).contiguous(), w.shape[1])
+    if qtype in K_FALLBACK:
+        from nanoserve.kernels.k_quant import quantize_k
+        return QuantWeight(qtype, quantize_k(w, qtype), w.shape[1])
     import gguf
 
     array = w.detach().float().contiguous().numpy()

@@ -87,6 +87,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict]) -> torch
     kind = scaling["rope_type"]
     if kind == "linear":
         return inv_freq / scaling["factor"]
+    if kind == "freq_factors":  # a GGUF's rope_freqs tensor (llama.cpp writes Llama 3's scaling so)
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     if kind == "llama3":
         factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
         old_len = scaling["original_max_position_embeddings"]

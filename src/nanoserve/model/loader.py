@@ -24,7 +24,7 @@ GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 # GGUF tensor types we run: those the kernels read (kernels/quant.py).
 SUPPORTED_GGUF_TYPES = set(GGML_TYPES)
-SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3"}
+SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3"}  # and GGUF rope_freqs factors
 
 # llama.cpp tensor names (per layer, after "blk.N.") -> Hugging Face names (after "model.layers.N.").
 _GGUF_LAYER_NAMES = {
@@ -94,6 +94,12 @@ def gguf_config(reader, path: str) -> ModelConfig:
         rope_scaling = {"rope_type": "linear", "factor": float(req("rope.scaling.factor"))}
     elif scale_type not in (None, "none"):
         raise ModelLoadError(f"{path}: unsupported rope scaling {scale_type!r}")
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:  # per-frequency divisors (Llama 3's scaling, as llama.cpp's converter writes it)
+        if rope_scaling is not None or freqs.tensor_type.name != "F32" or int(freqs.n_elements) != head_dim // 2:
+            raise ModelLoadError(f"{path}: rope_freqs.weight is not {head_dim // 2} F32 factors, or comes "
+                                 f"with another rope scaling")
+        rope_scaling = {"rope_type": "freq_factors", "factors": [float(v) for v in freqs.data]}
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     eot = _field(reader, "tokenizer.ggml.eot_token_id")
     eos_ids = tuple(sorted({int(t) for t in (eos, eot) if t is not None}))
@@ -128,7 +134,7 @@ def unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
 
 
 # Bump when the cached GGUF header (config and tensor table) changes meaning.
-GGUF_HEADER_VERSION = "2"
+GGUF_HEADER_VERSION = "3"
 
 
 def gguf_header(path: str) -> tuple[ModelConfig, list[tuple[str, str, tuple[int, ...], int, int]]]:
@@ -179,7 +185,7 @@ def _load_gguf(path: str) -> tuple[ModelConfig, dict]:
         for name, qtype, shape, offset, nbytes in tensors:
             hf_name = _gguf_name_to_hf(name)
             if hf_name is None:
-                continue  # e.g. rope_freqs; we compute rotary frequencies ourselves
+                continue  # rope_freqs is read into the config (gguf_config)
             if qtype not in SUPPORTED_GGUF_TYPES:
                 raise ModelLoadError(f"{path}: tensor {name} has type {qtype}, which nanoserve does not run "
                                      f"(supported: {', '.join(GGML_TYPES)})")

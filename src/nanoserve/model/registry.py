@@ -8,13 +8,13 @@ import os
 
 from nanoserve.cache import cache_dir, file_key
 from nanoserve.config import QUANTIZATIONS, WEIGHT_DTYPES, ModelConfig
-from nanoserve.kernels.quant import FLOAT_TYPES, QuantWeight, from_float
+from nanoserve.kernels.quant import FLOAT_TYPES, GGML_TYPES, K_FALLBACK, QuantWeight, from_float
 from nanoserve.model.layers import RotaryEmbedding
 from nanoserve.model.llama import LlamaForCausalLM
 from nanoserve.model.loader import ModelLoadError, load_model_weights
 
 DTYPE_TYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
-QUANTIZED_VERSION = "1"  # bump when a quantizer's output changes, so that cached results are rebuilt
+QUANTIZED_VERSION = "2"  # bump when a quantizer's output changes, so that cached results are rebuilt
 
 
 def build_model(path: str, dtype: str = "auto", max_positions: int = 0,
@@ -49,11 +49,18 @@ def _convert(w: QuantWeight, qtype: str) -> QuantWeight:
 
 def quantize_state(path: str, state: dict, qtype: str, salt: str) -> dict:
     """The float matrices of `state` quantized to `qtype`, from the disk cache when this file was
-    quantized the same way before (gguf-py's quantizers take ~1 s per 10M weights here)."""
+    quantized the same way before (the quantizers take ~1 s per 10M weights here). A matrix whose rows
+    do not divide into `qtype`'s blocks takes its K_FALLBACK type, or stays as it is."""
     from safetensors.torch import load_file, save_file
 
-    names = [k for k, v in state.items() if isinstance(v, QuantWeight) and v.qtype in FLOAT_TYPES
-             and v.k % 32 == 0]
+    def target(w: QuantWeight) -> str:
+        if w.k % GGML_TYPES[qtype][1] == 0:
+            return qtype
+        fallback = K_FALLBACK.get(qtype, w.qtype)
+        return fallback if w.k % GGML_TYPES[fallback][1] == 0 else w.qtype
+
+    types = {k: target(v) for k, v in state.items() if isinstance(v, QuantWeight) and v.qtype in FLOAT_TYPES}
+    names = [k for k, t in types.items() if t not in FLOAT_TYPES]
     key_path = path if os.path.isfile(path) else os.path.join(path, "config.json")
     cached = os.path.join(cache_dir("quantized"), f"{os.path.basename(os.path.abspath(path))}-"
                           f"{file_key(key_path, f'{QUANTIZED_VERSION}:{qtype}:{salt}:{_dir_stamp(path)}')}"
@@ -63,12 +70,12 @@ def quantize_state(path: str, state: dict, qtype: str, salt: str) -> dict:
         try:
             tensors = load_file(cached)
             for name in names:
-                out[name] = QuantWeight(qtype, tensors[name], state[name].k)
+                out[name] = QuantWeight(types[name], tensors[name], state[name].k)
             return out
         except Exception:  # damaged or stale: quantized again below
             out = dict(state)
     for name in names:
-        out[name] = from_float(state[name].dequantize(), qtype)
+        out[name] = from_float(state[name].dequantize(), types[name])
     try:
         os.makedirs(os.path.dirname(cached), exist_ok=True)
         tmp = f"{cached}.{os.getpid()}.tmp"
