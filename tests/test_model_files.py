@@ -205,3 +205,21 @@ def test_quantization_on_load_of_a_float_file(smollm_path, smollm_tokenizer, tmp
     for a, b in zip(model.modules(), again.modules()):
         if isinstance(a, Linear):
             assert all(torch.equal(x.data, y.data) for x, y in zip(a.parts, b.parts))
+
+
+def test_mistral_checkpoint_is_served_as_llama(tiny_models, tmp_path):
+    """MistralForCausalLM is Llama's layout; a sliding window caps the served context to it."""
+    import json
+    import shutil
+
+    from nanoserve.model.loader import load_model_weights as load
+
+    path = str(tmp_path / "mistral")
+    shutil.copytree(tiny_models["llama"], path)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=256)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    config, _ = load(path)
+    assert config.architecture == "llama" and config.max_position_embeddings == 256

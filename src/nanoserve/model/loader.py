@@ -21,7 +21,8 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Architectures we can run, by GGUF name and by Hugging Face class name.
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                    "Qwen3ForCausalLM": "qwen3"}
 # GGUF tensor types we run: those the kernels read (kernels/quant.py).
 SUPPORTED_GGUF_TYPES = set(GGML_TYPES)
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3"}  # and GGUF rope_freqs factors
@@ -237,6 +238,10 @@ def hf_config(cfg: dict, path: str) -> ModelConfig:
             raise ModelLoadError(f"{path}: unsupported rope_scaling type {rope_type!r}")
         rope_scaling = dict(rope_scaling, rope_type=rope_type)
     num_heads = cfg["num_attention_heads"]
+    max_positions = cfg.get("max_position_embeddings", 2048)
+    window = cfg.get("sliding_window") if "MistralForCausalLM" in archs else None
+    if window:  # Mistral 7B v0.1: full attention is exact only within the window, so serve that much
+        max_positions = min(max_positions, window)
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     return ModelConfig(
@@ -245,7 +250,7 @@ def hf_config(cfg: dict, path: str) -> ModelConfig:
         num_heads=num_heads, num_kv_heads=cfg.get("num_key_value_heads", num_heads),
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(rope_theta),
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        max_position_embeddings=max_positions,
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         attention_bias=cfg.get("attention_bias", arch == "qwen2"), qk_norm=arch == "qwen3",
         rope_scaling=rope_scaling or None, bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids)
