@@ -85,8 +85,8 @@ def test_gguf_missing_weights(tmp_path):
 
 
 def test_unsupported_hf_architecture(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MistralForCausalLM"]}))
-    assert "unsupported architecture" in _error(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Gemma2ForCausalLM"]}))
+    assert "unsupported architecture" in _error(tmp_path) and "Gemma2ForCausalLM" in _error(tmp_path)
 
 
 def test_hf_dir_without_weights_or_config(tmp_path, tiny_models):
