@@ -109,7 +109,7 @@ QUANT_FILES = ["Q8_0", "Q5_1", "Q4_0", "Q4_K", "Q5_K", "Q6_K"]
 
 @pytest.fixture(scope="module")
 def smollm_files(smollm_path, tmp_path_factory):
-    from nanoserve.kernels.quant import K_FALLBACK
+    from nanoserve.kernels.quant import quantized_type
 
     root = tmp_path_factory.mktemp("smollm_files")
     config, state = load_model_weights(smollm_path)
@@ -117,11 +117,7 @@ def smollm_files(smollm_path, tmp_path_factory):
               if isinstance(v, QuantWeight) and k != "model.embed_tokens.weight"}
 
     def make(qtype: str) -> str:
-        def pick(name, w):
-            if qtype in K_FALLBACK and not (name.endswith("down_proj.weight") and w.shape[1] % 256 == 0):
-                return K_FALLBACK[qtype]
-            return qtype
-        typed = dict(state, **{k: from_float(v, pick(k, v)) for k, v in floats.items()})
+        typed = dict(state, **{k: from_float(v, quantized_type(qtype, v.shape[1])) for k, v in floats.items()})
         return write_gguf(str(root / f"smollm2-{qtype}.gguf"), config, typed, tokenizer_from=smollm_path)
     return make
 

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from nanoserve.config import ModelConfig
-from nanoserve.kernels.quant import FLOAT_TYPES, QuantWeight, from_float
+from nanoserve.kernels.quant import FLOAT_TYPES, QUANTIZATIONS, QuantWeight, from_float
 from nanoserve.model.loader import _GGUF_LAYER_NAMES, _GGUF_TOP_NAMES, default_model_path, unpermute_rows
 
 _HF_LAYER = {hf: gg for gg, hf in _GGUF_LAYER_NAMES.items()}
@@ -88,13 +88,15 @@ def write_gguf(path: str, config: ModelConfig, state: dict, tokenizer_from: Opti
 def random_llama_state(config: ModelConfig, qtype: str, seed: int = 0) -> dict:
     """Random weights of a Llama-shaped model (std 0.02 matrices, norms near 1), each matrix in `qtype`
     (a K type falls back as llama-quantize does where rows are not a multiple of 256)."""
-    from nanoserve.kernels.quant import GGML_TYPES, K_FALLBACK
+    from nanoserve.kernels.quant import quantized_type
 
     g = torch.Generator().manual_seed(seed)
     h, inter, hd = config.hidden_size, config.intermediate_size, config.head_dim
 
     def matrix(rows: int, cols: int) -> QuantWeight:
-        t = qtype if cols % GGML_TYPES[qtype][1] == 0 else K_FALLBACK[qtype]
+        t = quantized_type(qtype, cols)
+        if t is None:
+            raise ValueError(f"rows of {cols} weights do not divide into {qtype} blocks")
         return from_float(torch.randn(rows, cols, generator=g) * 0.02, t)
 
     def norm(n: int) -> torch.Tensor:
@@ -140,7 +142,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                          attention_bias=False, qk_norm=False, rope_scaling=None,
                          bos_token_id=tok_config.bos_token_id, eos_token_ids=tok_config.eos_token_ids)
     qtype = args.type.upper()
-    if qtype not in FLOAT_TYPES and qtype not in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"):
+    if qtype not in FLOAT_TYPES and qtype.lower() not in QUANTIZATIONS:
         parser.error(f"--type {args.type}: not a type nanoserve can write")
     write_gguf(args.output, config, random_llama_state(config, qtype, args.seed), tokenizer_from=source)
     print(f"wrote {args.output}")

@@ -23,6 +23,15 @@ BLOCK_TYPES = tuple(t for t in GGML_TYPES if t not in FLOAT_TYPES)
 QUANTIZATIONS = ("q8_0", "q6_k", "q5_k", "q5_1", "q5_0", "q4_k", "q4_1", "q4_0")
 # A K type needs rows of a multiple of 256 weights; other rows take the type llama-quantize gives them.
 K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
+def quantized_type(qtype: str, k: int) -> Optional[str]:
+    """The type a float matrix with rows of `k` weights takes when quantized to `qtype`: `qtype` where
+    its blocks divide the rows, else a K type's K_FALLBACK where that one's do, else None (stays float)."""
+    for t in (qtype, K_FALLBACK.get(qtype)):
+        if t is not None and k % GGML_TYPES[t][1] == 0:
+            return t
+    return None
 IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 

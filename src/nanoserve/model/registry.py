@@ -8,7 +8,7 @@ import os
 
 from nanoserve.cache import cache_dir, file_key
 from nanoserve.config import QUANTIZATIONS, WEIGHT_DTYPES, ModelConfig
-from nanoserve.kernels.quant import FLOAT_TYPES, GGML_TYPES, K_FALLBACK, QuantWeight, from_float
+from nanoserve.kernels.quant import FLOAT_TYPES, QuantWeight, from_float, quantized_type
 from nanoserve.model.layers import RotaryEmbedding
 from nanoserve.model.llama import LlamaForCausalLM
 from nanoserve.model.loader import ModelLoadError, load_model_weights
@@ -50,17 +50,12 @@ def _convert(w: QuantWeight, qtype: str) -> QuantWeight:
 def quantize_state(path: str, state: dict, qtype: str, salt: str) -> dict:
     """The float matrices of `state` quantized to `qtype`, from the disk cache when this file was
     quantized the same way before (the quantizers take ~1 s per 10M weights here). A matrix whose rows
-    do not divide into `qtype`'s blocks takes its K_FALLBACK type, or stays as it is."""
+    do not divide into `qtype`'s blocks takes its fallback type, or stays as it is (quantized_type)."""
     from safetensors.torch import load_file, save_file
 
-    def target(w: QuantWeight) -> str:
-        if w.k % GGML_TYPES[qtype][1] == 0:
-            return qtype
-        fallback = K_FALLBACK.get(qtype, w.qtype)
-        return fallback if w.k % GGML_TYPES[fallback][1] == 0 else w.qtype
-
-    types = {k: target(v) for k, v in state.items() if isinstance(v, QuantWeight) and v.qtype in FLOAT_TYPES}
-    names = [k for k, t in types.items() if t not in FLOAT_TYPES]
+    types = {k: quantized_type(qtype, v.k) for k, v in state.items()
+             if isinstance(v, QuantWeight) and v.qtype in FLOAT_TYPES}
+    names = [k for k, t in types.items() if t is not None]
     key_path = path if os.path.isfile(path) else os.path.join(path, "config.json")
     cached = os.path.join(cache_dir("quantized"), f"{os.path.basename(os.path.abspath(path))}-"
                           f"{file_key(key_path, f'{QUANTIZED_VERSION}:{qtype}:{salt}:{_dir_stamp(path)}')}"
