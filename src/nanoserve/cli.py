@@ -71,7 +71,7 @@ def cmd_serve(args) -> None:
     from nanoserve.config import EngineConfig, ServerConfig, kwargs_from_args
     from nanoserve.entrypoints.openai.launcher import serve
     from nanoserve.frontend.reasoning import REASONING_PARSERS
-    from nanoserve.model.loader import default_model_path
+    from nanoserve.model.default import default_model_path
 
     model = args.model or default_model_path()
     if not os.path.exists(model):
@@ -110,7 +110,7 @@ def main(argv=None) -> None:
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
 
-    from nanoserve.model.loader import ModelLoadError
+    from nanoserve.errors import ModelLoadError
 
     try:
         if args.command == "serve":

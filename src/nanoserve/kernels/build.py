@@ -24,8 +24,8 @@ from nanoserve.cache import cache_dir
 
 logger = logging.getLogger(__name__)
 KERNEL_DIR = os.path.dirname(__file__)
-SOURCES = ["entry.c", "decode_attention.c", "weight_linear.c", "int8_gemm.c", "elementwise.c", "sampling.c"]
-HEADERS = ["abi.h", "vec_math.h", "simd.h", "vec_portable.h", "quant_blocks.h"]
+SOURCES = ["entry.c", "decode_attention.c", "weight_linear.c", "int8_gemm.c", "k_quant_i8.c", "elementwise.c", "sampling.c"]
+HEADERS = ["abi.h", "vec_math.h", "simd.h", "vec_portable.h", "quant_blocks.h", "quantized_rows.h"]
 
 
 

@@ -13,9 +13,9 @@
 
 #include "abi.h"
 #include "quant_blocks.h"
+#include "quantized_rows.h"
 #include "vec_math.h"
 
-#define TR 4   /* rows of x per tile */
 #define TC 2   /* weight rows per tile */
 #define NGI 24 /* weight rows unpacked per group: a multiple of TC and of 8 */
 
@@ -26,17 +26,8 @@ static inline float hmax8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* x quantized: block b of row i is x ~= dx[i] * s * q with q in -127..127 and s an integer in 1..32767,
- * so a block's scale is nearly as fine as a float's while the product's per-block factor is one integer
- * multiply (vpmaddwd by s, which also widens to 32 bits). Rows in panels of TR: q as
- * [panel][block][row][32], s as [panel][block][row][16] (one vector), and each block's sum of q times
- * its scale in sum[row][block] for the weights' minimum term. Rows past M are zero. */
-typedef struct {
-    int8_t *q;
-    int16_t *s;
-    float *dx, *sum;
-} QuantizedRows;
-
+/* x (M, K) into xq (quantized_rows.h): each row's scale dx from its largest |x|, then per block the
+ * smallest integer scale s that keeps |q| <= 127. */
 static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, QuantizedRows *o) {
     const int64_t nb = K / 32;
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -65,7 +56,7 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, Quan
             for (int c = 0; c < 16; c++) sv[c] = (int16_t)s;
             if (i >= M || rmax == 0.0f) {
                 memset(q, 0, 32);
-                o->sum[i * nb + b] = 0.0f;
+                o->sum[i * nb + b] = o->ssum[i * nb + b] = 0.0f;
                 continue;
             }
             const __m256 inv = _mm256_set1_ps(1.0f / ((float)s * dx));
@@ -80,7 +71,8 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, Quan
             __m128i h = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
             h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
             h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
-            o->sum[i * nb + b] = (float)_mm_cvtsi128_si32(h) * (float)s * dx;
+            o->ssum[i * nb + b] = (float)_mm_cvtsi128_si32(h) * (float)s;
+            o->sum[i * nb + b] = o->ssum[i * nb + b] * dx;
         }
     }
     free(amax);
@@ -106,14 +98,6 @@ NS_ALWAYS_INLINE void unpack_group(int t, const BlockWeight *w, int64_t n0, int6
             mt[b * NGI + j] = s.m;
         }
     }
-}
-
-/* The integer dot products of 32 codes w with 32 quantized x, times x's block scale s, as 8 int32 sums
- * (lane l: weights 4l..4l+3). Signed codes multiply |w| by x with w's sign (vpmaddubsw takes unsigned
- * first operands); unsigned ones (0..63) multiply directly. No sum saturates: |w x| <= 127 * 127. */
-NS_ALWAYS_INLINE __m256i dot_codes(int t, __m256i wv, __m256i wabs, __m256i xv, __m256i sv) {
-    const __m256i p = TYPE_SIGNED(t) ? _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv, wv)) : _mm256_maddubs_epi16(wv, xv);
-    return _mm256_madd_epi16(p, sv);
 }
 
 /* The integer part of TR rows times `tc` (TC or 1) weight rows: acc[r][c] += d * s * (q_w . q_x) per block.
@@ -217,44 +201,58 @@ static void gemm_rows(const QuantizedRows *xq, const BlockWeight *w, float *out,
 }
 
 /* Up to STREAM_MAX_ROWS rows: each weight row's blocks are read once from memory and used for every row
- * of x (the step is bound by reading the weights), with the GEMM's operations in the GEMM's order. */
-#define STREAM_MAX_ROWS 2 /* measured: the GEMM is faster from 3 rows */
-NS_ALWAYS_INLINE void stream_row(int t, const QuantizedRows *xq, const uint8_t *row, float *out, int64_t ldo,
-                                 int64_t M, int64_t nb) {
-    __m256 acc[STREAM_MAX_ROWS];
-    float m_term[STREAM_MAX_ROWS];
-    for (int64_t i = 0; i < M; i++) {
-        acc[i] = _mm256_setzero_ps();
-        m_term[i] = 0.0f;
-    }
-    for (int64_t b = 0; b < nb; b++) {
-        const Sub32 s = decode32(t, row, b);
-        const __m256i wa = TYPE_SIGNED(t) ? _mm256_abs_epi8(s.q) : s.q;
-        const __m256 dd = _mm256_set_m128(_mm_set1_ps(s.s1), _mm_set1_ps(s.s0));
+ * of x (the step is bound by reading the weights), with the GEMM's operations in the GEMM's order, and
+ * STREAM_WEIGHT_ROWS weight rows side by side (quantized_rows.h). */
+NS_ALWAYS_INLINE void stream_row(int t, int NR, const QuantizedRows *xq, const uint8_t *row, int64_t rb, float *out,
+                                 int64_t ldo, int64_t M, int64_t nb) {
+    __m256 acc[STREAM_WEIGHT_ROWS][STREAM_MAX_ROWS];
+    float m_term[STREAM_WEIGHT_ROWS][STREAM_MAX_ROWS];
+    for (int c = 0; c < NR; c++)
         for (int64_t i = 0; i < M; i++) {
-            const int64_t off = ((i / TR) * nb + b) * TR + i % TR;
-            const __m256i xv = _mm256_load_si256((const __m256i *)(xq->q + off * 32));
-            const __m256i sv = _mm256_load_si256((const __m256i *)(xq->s + off * 16));
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_codes(t, s.q, wa, xv, sv)), dd, acc[i]);
-            /* the GEMM's minimum term: the same fused multiply-adds in block order */
-            if (!TYPE_SIGNED(t)) m_term[i] = NS_FMA(xq->sum[i * nb + b], s.m, m_term[i]);
+            acc[c][i] = _mm256_setzero_ps();
+            m_term[c][i] = 0.0f;
+        }
+    for (int64_t b = 0; b < nb; b++) {
+        for (int c = 0; c < NR; c++) {
+            const Sub32 s = decode32(t, row + c * rb, b);
+            const __m256i wa = TYPE_SIGNED(t) ? _mm256_abs_epi8(s.q) : s.q;
+            const __m256 dd = _mm256_set_m128(_mm_set1_ps(s.s1), _mm_set1_ps(s.s0));
+            for (int64_t i = 0; i < M; i++) {
+                const int64_t off = quantized_row_offset(i, nb) + b * TR;
+                const __m256i xv = _mm256_load_si256((const __m256i *)(xq->q + off * 32));
+                const __m256i sv = _mm256_load_si256((const __m256i *)(xq->s + off * 16));
+                acc[c][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_codes(t, s.q, wa, xv, sv)), dd, acc[c][i]);
+                /* the GEMM's minimum term: the same fused multiply-adds in block order */
+                if (!TYPE_SIGNED(t)) m_term[c][i] = NS_FMA(xq->sum[i * nb + b], s.m, m_term[c][i]);
+            }
         }
     }
-    for (int64_t i = 0; i < M; i++) out[i * ldo] = finish(xq->dx[i], acc[i], m_term[i]);
+    for (int c = 0; c < NR; c++)
+        for (int64_t i = 0; i < M; i++) out[i * ldo + c] = finish(xq->dx[i], acc[c][i], m_term[c][i]);
 }
 
-/* Each weight row in parallel; one region per type, so that the type is a literal inside it (see gemm_rows). */
+/* Groups of weight rows in parallel; one region per type, so that the type is a literal inside it (see
+ * gemm_rows). */
 static void stream_rows(const QuantizedRows *xq, const BlockWeight *w, float *out, int64_t ldo, int64_t M, int64_t nb) {
     const uint8_t *data = (const uint8_t *)w->data;
-    const int64_t N = w->n, rb = w->row_bytes;
+    const int64_t N = w->n, rb = w->row_bytes, groups = (N + STREAM_WEIGHT_ROWS - 1) / STREAM_WEIGHT_ROWS;
     switch (w->type) {
+/* NR and M as literals, so that the accumulators and x's vectors stay in registers */
+#define CALL(T, NR, n) \
+    (M == 1 ? stream_row(T, NR, xq, data + (n) * rb, rb, out + (n), ldo, 1, nb) \
+            : stream_row(T, NR, xq, data + (n) * rb, rb, out + (n), ldo, 2, nb))
 #define CASE(T)                                                                                              \
     case T:                                                                                                  \
-        _Pragma("omp parallel for schedule(static)") for (int64_t n = 0; n < N; n++)                         \
-            stream_row(T, xq, data + n * rb, out + n, ldo, M, nb);                                           \
+        _Pragma("omp parallel for schedule(static)") for (int64_t g = 0; g < groups; g++) {                  \
+            const int64_t n = g * STREAM_WEIGHT_ROWS;                                                        \
+            if (N - n >= STREAM_WEIGHT_ROWS) CALL(T, STREAM_WEIGHT_ROWS, n);                                 \
+            else                                                                                             \
+                for (int64_t m = n; m < N; m++) CALL(T, 1, m);                                               \
+        }                                                                                                    \
         break;
-        FOR_EACH_BLOCK_TYPE(CASE)
+        FOR_EACH_BLOCK32_TYPE(CASE)
 #undef CASE
+#undef CALL
     default: break;
     }
 }
@@ -264,13 +262,16 @@ static void stream_rows(const QuantizedRows *xq, const BlockWeight *w, float *ou
 #define CHUNK_ROWS 64
 
 /* out (M, columns of w, row stride ldo) = x (M, K) W^T, W of a block type, x quantized per block of 32:
- * few rows stream the weight blocks (bound by memory), more rows go through the tiled GEMM. */
+ * few rows stream the weight blocks (bound by memory; the K types through k_quant_i8.c), more rows go
+ * through the tiled GEMM. */
 void weight_gemm_i8(const float *x, const BlockWeight *w, float *out, int64_t M, int64_t ldo) {
     const int64_t K = w->k, nb = K / 32, Mp = (M + TR - 1) / TR * TR;
     QuantizedRows xq = {aligned_alloc(32, (size_t)(Mp * K)), aligned_alloc(32, sizeof(int16_t) * (size_t)(Mp * nb * 16)),
-                        malloc(sizeof(float) * (size_t)Mp), malloc(sizeof(float) * (size_t)(Mp * nb))};
+                        malloc(sizeof(float) * (size_t)Mp), malloc(sizeof(float) * (size_t)(Mp * nb)),
+                        malloc(sizeof(float) * (size_t)(Mp * nb))};
     quantize_rows(x, M, Mp, K, &xq);
-    if (M <= STREAM_MAX_ROWS) stream_rows(&xq, w, out, ldo, M, nb);
+    if (M <= STREAM_MAX_ROWS && TYPE_IS_K(w->type)) k_stream_i8(&xq, w, out, ldo, M);
+    else if (M <= STREAM_MAX_ROWS) stream_rows(&xq, w, out, ldo, M, nb);
     else
         for (int64_t i0 = 0; i0 < M; i0 += CHUNK_ROWS)
             gemm_rows(&xq, w, out, ldo, i0, M - i0 < CHUNK_ROWS ? M - i0 : CHUNK_ROWS, nb, w->n);
@@ -278,4 +279,5 @@ void weight_gemm_i8(const float *x, const BlockWeight *w, float *out, int64_t M,
     free(xq.s);
     free(xq.dx);
     free(xq.sum);
+    free(xq.ssum);
 }

@@ -29,6 +29,10 @@
 /* The block types, for the switches that instantiate a kernel per type (X(type) per entry). */
 #define FOR_EACH_BLOCK_TYPE(X) X(T_Q4_0) X(T_Q4_1) X(T_Q5_0) X(T_Q5_1) X(T_Q8_0) X(T_Q4_K) X(T_Q5_K) X(T_Q6_K) X(T_IQ4_NL)
 
+/* The 32-weight block types, without the K types' super-blocks (the int8 GEMM of int8_gemm.c). */
+#define FOR_EACH_BLOCK32_TYPE(X) X(T_Q4_0) X(T_Q4_1) X(T_Q5_0) X(T_Q5_1) X(T_Q8_0) X(T_IQ4_NL)
+
+#define TYPE_IS_K(t) ((t) == T_Q4_K || (t) == T_Q5_K || (t) == T_Q6_K)
 #define TYPE_SIGNED(t) ((t) == T_Q8_0 || (t) == T_Q6_K || (t) == T_IQ4_NL)
 #define TYPE_IS_FLOAT(t) ((t) == T_F32 || (t) == T_F16 || (t) == T_BF16)
 
@@ -92,10 +96,33 @@ static inline void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
     }
 }
 
+/* The 32 codes of sub-block j (0..7: weights 32 j .. 32 j + 31) of the K-type super-block at p: unsigned
+ * 0..31 (Q4_K: 0..15) for Q4_K / Q5_K, signed -32..31 for Q6_K. */
+NS_ALWAYS_INLINE __m256i k_codes(int t, const uint8_t *p, int j) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    if (t == T_Q6_K) {
+        const int h = j >> 2, part = j & 3;
+        __m256i ql = _mm256_loadu_si256((const __m256i *)(p + h * 64 + (part & 1) * 32));
+        ql = _mm256_and_si256(part >> 1 ? _mm256_srli_epi16(ql, 4) : ql, low4);
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + h * 32));
+        qh = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * part), _mm256_set1_epi8(3));
+        /* (qh << 4) without a byte shift: qh is 0..3, so qh * 16 = qh shifted within its byte */
+        qh = _mm256_and_si256(_mm256_slli_epi32(qh, 4), _mm256_set1_epi8(0x30));
+        return _mm256_sub_epi8(_mm256_or_si256(ql, qh), _mm256_set1_epi8(32));
+    }
+    __m256i q = _mm256_loadu_si256((const __m256i *)(p + (t == T_Q4_K ? 16 : 48) + (j >> 1) * 32));
+    q = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(q, 4) : q, low4);
+    if (t == T_Q5_K) {
+        const __m256i bit = _mm256_set1_epi8((int8_t)(1 << j));
+        const __m256i qh = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(p + 16)), bit);
+        q = _mm256_or_si256(q, _mm256_and_si256(_mm256_cmpeq_epi8(qh, bit), _mm256_set1_epi8(0x10)));
+    }
+    return q;
+}
+
 /* Weights 32 b .. 32 b + 31 of a row of type t (a compile-time constant where this is inlined). */
 NS_ALWAYS_INLINE Sub32 decode32(int t, const uint8_t *row, int64_t b) {
     Sub32 r;
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
     switch (t) {
     case T_Q4_0: {
         const uint8_t *p = row + b * 18;
@@ -147,31 +174,17 @@ NS_ALWAYS_INLINE Sub32 decode32(int t, const uint8_t *row, int64_t b) {
     case T_Q5_K: {
         const int j = (int)(b & 7);
         const uint8_t *p = row + (b >> 3) * (t == T_Q4_K ? 144 : 176);
-        const uint8_t *qs = p + (t == T_Q4_K ? 16 : 48) + (j >> 1) * 32;
         int sc, mn;
         k_scale_min(p + 4, j, &sc, &mn);
-        __m256i q = _mm256_loadu_si256((const __m256i *)qs);
-        q = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(q, 4) : q, low4);
-        if (t == T_Q5_K) {
-            const __m256i bit = _mm256_set1_epi8((int8_t)(1 << j));
-            const __m256i qh = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(p + 16)), bit);
-            q = _mm256_or_si256(q, _mm256_and_si256(_mm256_cmpeq_epi8(qh, bit), _mm256_set1_epi8(0x10)));
-        }
-        r.q = q;
+        r.q = k_codes(t, p, j);
         r.s0 = r.s1 = f16_at(p) * (float)sc;
         r.m = -(f16_at(p + 2) * (float)mn);
         break;
     }
     case T_Q6_K: {
-        const int g = (int)(b & 7), h = g >> 2, part = g & 3;
+        const int g = (int)(b & 7);
         const uint8_t *p = row + (b >> 3) * 210;
-        __m256i ql = _mm256_loadu_si256((const __m256i *)(p + h * 64 + (part & 1) * 32));
-        ql = _mm256_and_si256(part >> 1 ? _mm256_srli_epi16(ql, 4) : ql, low4);
-        __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + h * 32));
-        qh = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * part), _mm256_set1_epi8(3));
-        /* (qh << 4) without a byte shift: qh is 0..3, so qh * 16 = qh shifted within its byte */
-        qh = _mm256_and_si256(_mm256_slli_epi32(qh, 4), _mm256_set1_epi8(0x30));
-        r.q = _mm256_sub_epi8(_mm256_or_si256(ql, qh), _mm256_set1_epi8(32));
+        r.q = k_codes(t, p, g);
         const int8_t *sc = (const int8_t *)(p + 192);
         const float d = f16_at(p + 208);
         r.s0 = d * (float)sc[2 * g];

