@@ -201,58 +201,48 @@ static void gemm_rows(const QuantizedRows *xq, const BlockWeight *w, float *out,
 }
 
 /* Up to STREAM_MAX_ROWS rows: each weight row's blocks are read once from memory and used for every row
- * of x (the step is bound by reading the weights), with the GEMM's operations in the GEMM's order, and
- * STREAM_WEIGHT_ROWS weight rows side by side (quantized_rows.h). */
-NS_ALWAYS_INLINE void stream_row(int t, int NR, const QuantizedRows *xq, const uint8_t *row, int64_t rb, float *out,
-                                 int64_t ldo, int64_t M, int64_t nb) {
-    __m256 acc[STREAM_WEIGHT_ROWS][STREAM_MAX_ROWS];
-    float m_term[STREAM_WEIGHT_ROWS][STREAM_MAX_ROWS];
-    for (int c = 0; c < NR; c++)
-        for (int64_t i = 0; i < M; i++) {
-            acc[c][i] = _mm256_setzero_ps();
-            m_term[c][i] = 0.0f;
-        }
+ * of x (the step is bound by reading the weights), with the GEMM's operations in the GEMM's order. */
+NS_ALWAYS_INLINE void stream_row(int t, const QuantizedRows *xq, const uint8_t *row, float *out, int64_t ldo,
+                                 int64_t M, int64_t nb) {
+    __m256 acc[STREAM_MAX_ROWS];
+    float m_term[STREAM_MAX_ROWS];
+    for (int64_t i = 0; i < M; i++) {
+        acc[i] = _mm256_setzero_ps();
+        m_term[i] = 0.0f;
+    }
     for (int64_t b = 0; b < nb; b++) {
-        for (int c = 0; c < NR; c++) {
-            const Sub32 s = decode32(t, row + c * rb, b);
-            const __m256i wa = TYPE_SIGNED(t) ? _mm256_abs_epi8(s.q) : s.q;
-            const __m256 dd = _mm256_set_m128(_mm_set1_ps(s.s1), _mm_set1_ps(s.s0));
-            for (int64_t i = 0; i < M; i++) {
-                const int64_t off = quantized_row_offset(i, nb) + b * TR;
-                const __m256i xv = _mm256_load_si256((const __m256i *)(xq->q + off * 32));
-                const __m256i sv = _mm256_load_si256((const __m256i *)(xq->s + off * 16));
-                acc[c][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_codes(t, s.q, wa, xv, sv)), dd, acc[c][i]);
-                /* the GEMM's minimum term: the same fused multiply-adds in block order */
-                if (!TYPE_SIGNED(t)) m_term[c][i] = NS_FMA(xq->sum[i * nb + b], s.m, m_term[c][i]);
-            }
+        _mm_prefetch((const char *)row + b * type_block_bytes(t) + STREAM_PREFETCH_BYTES, _MM_HINT_T0);
+        const Sub32 s = decode32(t, row, b);
+        const __m256i wa = TYPE_SIGNED(t) ? _mm256_abs_epi8(s.q) : s.q;
+        const __m256 dd = _mm256_set_m128(_mm_set1_ps(s.s1), _mm_set1_ps(s.s0));
+        for (int64_t i = 0; i < M; i++) {
+            const int64_t off = quantized_row_offset(i, nb) + b * TR;
+            const __m256i xv = _mm256_load_si256((const __m256i *)(xq->q + off * 32));
+            const __m256i sv = _mm256_load_si256((const __m256i *)(xq->s + off * 16));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_codes(t, s.q, wa, xv, sv)), dd, acc[i]);
+            /* the GEMM's minimum term: the same fused multiply-adds in block order */
+            if (!TYPE_SIGNED(t)) m_term[i] = NS_FMA(xq->sum[i * nb + b], s.m, m_term[i]);
         }
     }
-    for (int c = 0; c < NR; c++)
-        for (int64_t i = 0; i < M; i++) out[i * ldo + c] = finish(xq->dx[i], acc[c][i], m_term[c][i]);
+    for (int64_t i = 0; i < M; i++) out[i * ldo] = finish(xq->dx[i], acc[i], m_term[i]);
 }
 
-/* Groups of weight rows in parallel; one region per type, so that the type is a literal inside it (see
- * gemm_rows). */
+/* Each weight row in parallel; one region per type, so that the type is a literal inside it (see
+ * gemm_rows), and M a literal, so that x's vectors and the accumulators stay in registers (with M a
+ * run-time value GCC turned the loads into memcpy calls). */
 static void stream_rows(const QuantizedRows *xq, const BlockWeight *w, float *out, int64_t ldo, int64_t M, int64_t nb) {
     const uint8_t *data = (const uint8_t *)w->data;
-    const int64_t N = w->n, rb = w->row_bytes, groups = (N + STREAM_WEIGHT_ROWS - 1) / STREAM_WEIGHT_ROWS;
+    const int64_t N = w->n, rb = w->row_bytes;
     switch (w->type) {
-/* NR and M as literals, so that the accumulators and x's vectors stay in registers */
-#define CALL(T, NR, n) \
-    (M == 1 ? stream_row(T, NR, xq, data + (n) * rb, rb, out + (n), ldo, 1, nb) \
-            : stream_row(T, NR, xq, data + (n) * rb, rb, out + (n), ldo, 2, nb))
 #define CASE(T)                                                                                              \
     case T:                                                                                                  \
-        _Pragma("omp parallel for schedule(static)") for (int64_t g = 0; g < groups; g++) {                  \
-            const int64_t n = g * STREAM_WEIGHT_ROWS;                                                        \
-            if (N - n >= STREAM_WEIGHT_ROWS) CALL(T, STREAM_WEIGHT_ROWS, n);                                 \
-            else                                                                                             \
-                for (int64_t m = n; m < N; m++) CALL(T, 1, m);                                               \
+        _Pragma("omp parallel for schedule(static)") for (int64_t n = 0; n < N; n++) {                       \
+            if (M == 1) stream_row(T, xq, data + n * rb, out + n, ldo, 1, nb);                               \
+            else stream_row(T, xq, data + n * rb, out + n, ldo, 2, nb);                                      \
         }                                                                                                    \
         break;
         FOR_EACH_BLOCK32_TYPE(CASE)
 #undef CASE
-#undef CALL
     default: break;
     }
 }

@@ -1,8 +1,8 @@
 /* Decode steps (up to STREAM_MAX_ROWS rows of x) on W of a K type (Q4_K, Q5_K, Q6_K), x quantized to 8
  * bits per block of 32 (quantized_rows.h): each super-block's scales are unpacked once, as vectors,
  * instead of as scalars per sub-block (quant_blocks.h's decode32, which the tiled GEMM of int8_gemm.c
- * unpacks with, once per group of weight rows), and STREAM_WEIGHT_ROWS weight rows go side by side. Each
- * output takes the GEMM's operations in the GEMM's order, so a row's result does not depend on its batch. */
+ * unpacks with, once per group of weight rows). Each output takes the GEMM's operations in the GEMM's
+ * order, so a row's result does not depend on its batch. */
 /* No fused a * b + c or reordered sums that one kernel would get and the other not (the build allows both). */
 #pragma GCC optimize("fp-contract=off", "no-associative-math")
 #include "simd.h"
@@ -14,11 +14,13 @@
 #include "quantized_rows.h"
 #include "vec_math.h"
 
-/* One super-block's scales as the products need them: dd[j] multiplies sub-block j's 8 int32 sums
- * (lanes 0-3: its weights 0..15, lanes 4-7: 16..31), mneg[j] is its minimum, negated (Q4_K / Q5_K). */
+/* One super-block's scales as the products need them (k_dd): Q6_K's as 8 vectors, lanes 0-3 for
+ * sub-block j's weights 0..15 and 4-7 for 16..31 (two scales per sub-block); Q4_K / Q5_K's one scale per
+ * sub-block, broadcast where it is used, and each sub-block's minimum, negated. */
 typedef struct {
-    __m256 dd[8];
-    __m256 mneg;
+    __m256 q6_dd[8];
+    float sc[8];
+    float mneg[8];
 } KScales;
 
 NS_ALWAYS_INLINE void k_super_scales(int t, const uint8_t *p, KScales *ks) {
@@ -30,9 +32,8 @@ NS_ALWAYS_INLINE void k_super_scales(int t, const uint8_t *p, KScales *ks) {
         for (int j = 0; j < 8; j++) {
             const int a = (2 * j) & 7;
             const __m256i idx = _mm256_setr_epi32(a, a, a, a, a + 1, a + 1, a + 1, a + 1);
-            ks->dd[j] = _mm256_permutevar8x32_ps(j < 4 ? lo : hi, idx);
+            ks->q6_dd[j] = _mm256_permutevar8x32_ps(j < 4 ? lo : hi, idx);
         }
-        ks->mneg = _mm256_setzero_ps();
         return;
     }
     /* the 12 bytes of six-bit scales and minimums (k_scale_min), four at a time */
@@ -44,78 +45,64 @@ NS_ALWAYS_INLINE void k_super_scales(int t, const uint8_t *p, KScales *ks) {
     sm[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);  /* minimums 4..7 */
     const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sm)));
     const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 2))));
-    const __m256 scaled = _mm256_mul_ps(_mm256_set1_ps(f16_at(p)), sc);
-    for (int j = 0; j < 8; j++) ks->dd[j] = _mm256_permutevar8x32_ps(scaled, _mm256_set1_epi32(j));
-    ks->mneg = _mm256_mul_ps(_mm256_set1_ps(-f16_at(p + 2)), mn);
+    _mm256_storeu_ps(ks->sc, _mm256_mul_ps(_mm256_set1_ps(f16_at(p)), sc));
+    _mm256_storeu_ps(ks->mneg, _mm256_mul_ps(_mm256_set1_ps(-f16_at(p + 2)), mn));
 }
 
-/* NR weight rows (rb bytes apart) side by side against M <= STREAM_MAX_ROWS rows of x, each output in
- * the tiled GEMM's order (int8_gemm.c): per sub-block acc = fma(sums, dd, acc) and m_term = fma(x's
- * block sum, minimum, m_term), then out = dx * (acc's lanes summed) + m_term. */
-NS_ALWAYS_INLINE void k_stream_row(int t, int NR, const QuantizedRows *xq, const uint8_t *row, int64_t rb, float *out,
-                                   int64_t ldo, int64_t M, int64_t nb) {
+/* The 8 lanes' scales of sub-block j (quant_blocks.h's Sub32 s0 / s1, the same values). */
+NS_ALWAYS_INLINE __m256 k_dd(int t, const KScales *ks, int j) {
+    return t == T_Q6_K ? ks->q6_dd[j] : _mm256_broadcast_ss(&ks->sc[j]);
+}
+
+/* One weight row against M <= STREAM_MAX_ROWS rows of x, each output in the tiled GEMM's order
+ * (int8_gemm.c): per sub-block acc = fma(sums, dd, acc) and m_term = fma(x's block sum, minimum, m_term),
+ * then out = dx * (acc's lanes summed) + m_term. */
+NS_ALWAYS_INLINE void k_stream_row(int t, const QuantizedRows *xq, const uint8_t *row, float *out, int64_t ldo,
+                                   int64_t M, int64_t nb) {
     const int64_t bytes = type_block_bytes(t);
-    __m256 acc[STREAM_WEIGHT_ROWS][STREAM_MAX_ROWS];
-    float m_term[STREAM_WEIGHT_ROWS][STREAM_MAX_ROWS];
-    for (int c = 0; c < NR; c++)
-        for (int64_t i = 0; i < M; i++) {
-            acc[c][i] = _mm256_setzero_ps();
-            m_term[c][i] = 0.0f;
-        }
+    __m256 acc[STREAM_MAX_ROWS];
+    float m_term[STREAM_MAX_ROWS];
+    for (int64_t i = 0; i < M; i++) {
+        acc[i] = _mm256_setzero_ps();
+        m_term[i] = 0.0f;
+    }
     for (int64_t g = 0; g < nb / 8; g++) {
-        KScales ks[STREAM_WEIGHT_ROWS];
-        float mneg[STREAM_WEIGHT_ROWS][8];
-        for (int c = 0; c < NR; c++) {
-            k_super_scales(t, row + c * rb + g * bytes, &ks[c]);
-            if (!TYPE_SIGNED(t)) _mm256_storeu_ps(mneg[c], ks[c].mneg);
-        }
+        const uint8_t *p = row + g * bytes;
+        for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + STREAM_PREFETCH_BYTES + o, _MM_HINT_T0);
+        KScales ks;
+        k_super_scales(t, p, &ks);
         /* unrolled, so that each sub-block's shifts and offsets in k_codes are constants */
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) {
             const int64_t b = 8 * g + j;
-            __m256i xv[STREAM_MAX_ROWS], sv[STREAM_MAX_ROWS];
+            const __m256i w = k_codes(t, p, j);
+            const __m256i wa = TYPE_SIGNED(t) ? _mm256_abs_epi8(w) : w;
             for (int64_t i = 0; i < M; i++) {
                 const int64_t off = quantized_row_offset(i, nb) + b * TR;
-                xv[i] = _mm256_load_si256((const __m256i *)(xq->q + off * 32));
-                sv[i] = _mm256_load_si256((const __m256i *)(xq->s + off * 16));
-            }
-            for (int c = 0; c < NR; c++) {
-                const __m256i w = k_codes(t, row + c * rb + g * bytes, j);
-                const __m256i wa = TYPE_SIGNED(t) ? _mm256_abs_epi8(w) : w;
-                for (int64_t i = 0; i < M; i++) {
-                    acc[c][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_codes(t, w, wa, xv[i], sv[i])), ks[c].dd[j], acc[c][i]);
-                    if (!TYPE_SIGNED(t)) m_term[c][i] = NS_FMA(xq->sum[i * nb + b], mneg[c][j], m_term[c][i]);
-                }
+                const __m256i xv = _mm256_load_si256((const __m256i *)(xq->q + off * 32));
+                const __m256i sv = _mm256_load_si256((const __m256i *)(xq->s + off * 16));
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_codes(t, w, wa, xv, sv)), k_dd(t, &ks, j), acc[i]);
+                if (!TYPE_SIGNED(t)) m_term[i] = NS_FMA(xq->sum[i * nb + b], ks.mneg[j], m_term[i]);
             }
         }
     }
-    for (int c = 0; c < NR; c++)
-        for (int64_t i = 0; i < M; i++) out[i * ldo + c] = xq->dx[i] * hsum256(acc[c][i]) + m_term[c][i];
+    for (int64_t i = 0; i < M; i++) out[i * ldo] = xq->dx[i] * hsum256(acc[i]) + m_term[i];
 }
 
-/* Groups of weight rows in parallel; one region per type, so that the type is a literal inside it (see
- * int8_gemm.c's gemm_rows). */
+/* Each weight row in parallel; one region per type and M a literal (see int8_gemm.c's stream_rows). */
 void k_stream_i8(const QuantizedRows *xq, const BlockWeight *w, float *out, int64_t ldo, int64_t M) {
     const uint8_t *data = (const uint8_t *)w->data;
     const int64_t N = w->n, rb = w->row_bytes, nb = w->k / 32;
-    const int64_t groups = (N + STREAM_WEIGHT_ROWS - 1) / STREAM_WEIGHT_ROWS;
     switch (w->type) {
-/* NR and M as literals, so that the accumulators and x's vectors stay in registers */
-#define CALL(T, NR, n) \
-    (M == 1 ? k_stream_row(T, NR, xq, data + (n) * rb, rb, out + (n), ldo, 1, nb) \
-            : k_stream_row(T, NR, xq, data + (n) * rb, rb, out + (n), ldo, 2, nb))
 #define CASE(T)                                                                                              \
     case T:                                                                                                  \
-        _Pragma("omp parallel for schedule(static)") for (int64_t g = 0; g < groups; g++) {                  \
-            const int64_t n = g * STREAM_WEIGHT_ROWS;                                                        \
-            if (N - n >= STREAM_WEIGHT_ROWS) CALL(T, STREAM_WEIGHT_ROWS, n);                                 \
-            else                                                                                             \
-                for (int64_t m = n; m < N; m++) CALL(T, 1, m);                                               \
+        _Pragma("omp parallel for schedule(static)") for (int64_t n = 0; n < N; n++) {                       \
+            if (M == 1) k_stream_row(T, xq, data + n * rb, out + n, ldo, 1, nb);                             \
+            else k_stream_row(T, xq, data + n * rb, out + n, ldo, 2, nb);                                    \
         }                                                                                                    \
         break;
         CASE(T_Q4_K) CASE(T_Q5_K) CASE(T_Q6_K)
 #undef CASE
-#undef CALL
     default: break;
     }
 }
