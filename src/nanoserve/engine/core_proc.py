@@ -3,6 +3,8 @@ around `EngineCore`, with one IO thread that owns the ZMQ ROUTER socket: it deco
 incoming requests and encodes outgoing results while the loop computes."""
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import os
 import queue
@@ -20,6 +22,20 @@ from nanoserve.protocol import AbortRequests, CoreInput, EngineCoreOutputs, Hell
 from nanoserve.sampling_params import field_of_error
 
 logger = logging.getLogger(__name__)
+
+
+def heap_trimmer():
+    """glibc's malloc_trim, or None off glibc. A step's large transient buffers (a prefill's activations,
+    the kernels' scratch) are freed into the heap and kept there: measured on SmolLM2 Q8_0, 64 requests
+    left ~100 MB (offline) to ~290 MB (served) resident that trimming returns to the system."""
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return None
+    if trim is not None:
+        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
 
 
 class EngineCoreProc:
@@ -40,6 +56,7 @@ class EngineCoreProc:
         self.info = ModelInfo(engine.max_model_len, engine.model_config.vocab_size,
                               engine.config.max_logprobs, os.getpid(), engine.compute)
         self.stopping = False
+        self.trim_heap = heap_trimmer()
 
     # ------------------------------------------------------------------------------ IO thread
     def _io_loop(self) -> None:
@@ -118,8 +135,12 @@ class EngineCoreProc:
     def run(self) -> None:
         self.io_thread.start()
         engine = self.engine
+        was_busy = False
         while not self.stopping:
             idle = not engine.has_unfinished()
+            if idle and was_busy and self.trim_heap is not None:
+                self.trim_heap(0)  # the last request just ended: hand its freed buffers back
+            was_busy = not idle
             changed = self._drain_inputs(block=idle)
             outputs = engine.step() if engine.has_unfinished() else []
             if not outputs and not changed and not idle:
