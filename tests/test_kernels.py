@@ -201,3 +201,14 @@ def test_rope_write_kv_kernel_matches_pytorch(cache_dtype):
     untouched = torch.ones(num_slots, dtype=torch.bool)
     untouched[slots] = False
     assert not k_cache[:, untouched].any() and not v_cache[:, untouched].any()
+
+
+@requires_kernels
+def test_bench_kernels_measures_each_type(capsys):
+    """`nanoserve bench kernels` (small shapes here): one table row per type and row count."""
+    from nanoserve.bench import kernels
+
+    kernels.main(["--types", "Q4_K,Q8_0,F16", "--rows", "1,3", "--n", "64", "--k", "512", "--repeats", "1"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| Q") or line.startswith("| F")]
+    assert [line.split("|")[1:3] for line in lines] == [[f" {t} ", f" {r} "] for t in ("Q4_K", "Q8_0", "F16")
+                                                         for r in (1, 3)]

@@ -186,6 +186,25 @@ def from_float(w: torch.Tensor, qtype: str) -> QuantWeight:
     return QuantWeight(qtype, torch.from_numpy(np.ascontiguousarray(blocks)), w.shape[1])
 
 
+# Byte offsets of the float16 scales in each block type (the rest of a block is codes, any bytes valid).
+F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "IQ4_NL": (0,),
+              "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(qtype: str, rows: int, k: int, seed: int = 0) -> QuantWeight:
+    """Random codes and scales in `qtype`'s layout, (rows, k) weights of ordinary magnitudes: the kernel
+    tests' weights and `bench kernels`'."""
+    rng = np.random.default_rng(seed)
+    _, block, nbytes = GGML_TYPES[qtype]
+    data = rng.integers(0, 256, size=(rows, k // block, nbytes), dtype=np.uint8)
+    for off in F16_FIELDS[qtype]:
+        scale = (rng.standard_normal((rows, k // block)) * 0.01).astype(np.float16)
+        data[:, :, off:off + 2] = scale.view(np.uint8).reshape(rows, k // block, 2)
+    if qtype == "Q8_0":  # -128 is not a code Q8_0 writes
+        data[:, :, 2:] = np.clip(data[:, :, 2:].view(np.int8), -127, 127).view(np.uint8)
+    return QuantWeight(qtype, torch.from_numpy(data.reshape(rows, -1)), k)
+
+
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     """x (M, K) as the int8 products see it, back in float32: per block of 32, q = round(x / (s * dx))
     in -127..127, with dx the row's largest |x| / (127 * 32767) and s the block's integer scale in
