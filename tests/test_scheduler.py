@@ -191,3 +191,40 @@ def test_stop_conditions():
     so = sched.schedule()
     sched.update_from_output(so, [tok])
     assert not r3.is_finished
+
+
+def test_prefix_keys_are_sha256_chains():
+    from nanoserve.engine.block_manager import hash_block
+
+    a = hash_block(None, (1, 2, 3, 4))
+    assert len(a) == 32 and a == hash_block(None, (1, 2, 3, 4))
+    assert hash_block(a, (5, 6, 7, 8)) != hash_block(hash_block(None, (1, 2, 3, 5)), (5, 6, 7, 8))
+
+
+def test_colliding_prefix_keys_never_reuse_another_prompts_blocks(monkeypatch):
+    """Force collisions through the hash function: every key depends on the block's own tokens only (not
+    on what came before), or is one constant. A hit must still hold the same tokens after the same
+    cached blocks, so a request never gets KV computed for another prompt."""
+    import nanoserve.engine.block_manager as bm_module
+
+    monkeypatch.setattr(bm_module, "hash_block", lambda parent, tokens: repr(tokens).encode())
+    sched, runner = make(num_blocks=64, block_size=4)
+    p, q, x, y = [1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9], [7, 7, 7, 7]
+    for rid, prompt in [("a", p + x + [50]), ("c", q + y + [51])]:
+        sched.add_request(req(rid, prompt, max_tokens=1))
+        run_all(sched, runner)
+    sched.add_request(req("b", q + x + [52], max_tokens=1))  # x's key collides with a's block after p
+    out, _ = run_all(sched, runner)
+    assert out["b"].num_cached_tokens == 4  # q from c; x was computed after p, not after q
+    sched.add_request(req("a2", p + x + [53], max_tokens=1))
+    out, _ = run_all(sched, runner)
+    assert out["a2"].num_cached_tokens == 8  # true prefixes still hit
+
+    monkeypatch.setattr(bm_module, "hash_block", lambda parent, tokens: b"same key")
+    sched, runner = make(num_blocks=64, block_size=4)
+    sched.add_request(req("a", p + x + [50], max_tokens=1))
+    run_all(sched, runner)
+    sched.add_request(req("d", q + x + [54], max_tokens=1))
+    sched.add_request(req("e", p + y + [55], max_tokens=1))
+    out, _ = run_all(sched, runner)  # the fake runner checks every request reads its own tokens back
+    assert out["d"].num_cached_tokens == 0 and out["e"].num_cached_tokens == 4

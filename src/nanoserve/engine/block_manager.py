@@ -1,17 +1,26 @@
 """`BlockManager`: the pool of fixed-size KV-cache blocks. Free list with LRU eviction, reference
-counts, and prefix caching keyed by a hash chain over each full block's token ids. Knows nothing of
-the KV tensors themselves, only block ids."""
+counts, and prefix caching keyed by a SHA-256 chain over each full block's token ids, every hit checked
+against the cached block's own tokens and parent. Knows nothing of the KV tensors themselves, only
+block ids."""
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from typing import Optional
 
 from nanoserve.engine.request import Request
 
+NO_CACHED_PARENT = -1  # Request.cache_parent once a block of its chain could not be cached
 
-def hash_block(parent: Optional[int], token_ids: tuple[int, ...]) -> int:
-    """Chained hash: a block's key covers every token before it, not just its own."""
-    return hash((parent, token_ids))
+
+def hash_block(parent: Optional[bytes], token_ids: tuple[int, ...]) -> bytes:
+    """Chained SHA-256 over the parent block's key and this block's tokens (8 bytes each): a block's key
+    covers every token before it, and no one can craft two prefixes with one key, as they can with
+    Python's hash() of ints (vLLM's CVE-2025-25183)."""
+    h = hashlib.sha256(parent if parent is not None else b"")
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
 
 
 class BlockManager:
@@ -20,10 +29,13 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.block_hash: list[Optional[int]] = [None] * num_blocks
+        self.block_hash: list[Optional[bytes]] = [None] * num_blocks
+        # What a cached block holds, checked on every hit: its tokens and the cached block before it.
+        self.block_tokens: list[Optional[tuple[int, ...]]] = [None] * num_blocks
+        self.block_parent: list[Optional[int]] = [None] * num_blocks
         # Blocks with ref count 0, oldest-freed first; cached ones stay findable until reused.
         self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached_blocks: dict[int, int] = {}  # block hash -> block id
+        self.cached_blocks: dict[bytes, int] = {}  # block hash -> block id
         # Prefix-cache statistics, in tokens.
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
@@ -50,6 +62,18 @@ class BlockManager:
             parent = req.block_hashes[-1] if req.block_hashes else None
             req.block_hashes.append(hash_block(parent, tuple(req.all_token_ids[i * bs:(i + 1) * bs])))
 
+    def _block_tokens(self, req: Request, i: int) -> tuple[int, ...]:
+        return tuple(req.all_token_ids[i * self.block_size:(i + 1) * self.block_size])
+
+    def _cached_match(self, key: bytes, tokens: tuple[int, ...], parent: Optional[int]) -> Optional[int]:
+        """The cached block under `key`, if it holds `tokens` after `parent` (the cached block matched
+        for the tokens before): a hit is never taken on the key alone, so even a collision of keys
+        cannot hand one request another's blocks."""
+        block = self.cached_blocks.get(key)
+        if block is None or self.block_tokens[block] != tokens or self.block_parent[block] != parent:
+            return None
+        return block
+
     def find_cached_prefix(self, req: Request) -> list[int]:
         """Block ids of the longest cached prefix of a request that has nothing computed yet. At least
         one token is always left to compute, since the model must produce logits for the last one."""
@@ -57,9 +81,9 @@ class BlockManager:
             return []  # prompt logprobs need every prompt position computed
         self.update_block_hashes(req)
         max_blocks = (req.num_tokens - 1) // self.block_size
-        hits = []
-        for h in req.block_hashes[:max_blocks]:
-            block = self.cached_blocks.get(h)
+        hits: list[int] = []
+        for i, h in enumerate(req.block_hashes[:max_blocks]):
+            block = self._cached_match(h, self._block_tokens(req, i), hits[-1] if hits else None)
             if block is None:
                 break
             hits.append(block)
@@ -84,7 +108,7 @@ class BlockManager:
             if self.block_hash[b] is not None:  # evict its cached content
                 if self.cached_blocks.get(self.block_hash[b]) == b:
                     del self.cached_blocks[self.block_hash[b]]
-                self.block_hash[b] = None
+                self.block_hash[b] = self.block_tokens[b] = self.block_parent[b] = None
             self.ref_counts[b] = 1
             req.block_ids.append(b)
         return True
@@ -100,13 +124,16 @@ class BlockManager:
         self.update_block_hashes(req)
         num_full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes))
         for i in range(req.num_registered_blocks, num_full):
-            b = req.block_ids[i]
-            if self.block_hash[b] is not None:
-                continue
-            h = req.block_hashes[i]
-            if h not in self.cached_blocks:  # a duplicate of an already cached block stays private
+            if req.cache_parent == NO_CACHED_PARENT:
+                break
+            b, h, tokens = req.block_ids[i], req.block_hashes[i], self._block_tokens(req, i)
+            if self.block_hash[b] is None and h not in self.cached_blocks:
                 self.cached_blocks[h] = b
-                self.block_hash[b] = h
+                self.block_hash[b], self.block_tokens[b], self.block_parent[b] = h, tokens, req.cache_parent
+            # The cached block with these tokens (b itself, a prefix hit, or an equal block cached by
+            # another request, b then staying private) is the parent of the next one.
+            found = self._cached_match(h, tokens, req.cache_parent)
+            req.cache_parent = NO_CACHED_PARENT if found is None else found
         req.num_registered_blocks = max(req.num_registered_blocks, num_full)
 
     def free(self, req: Request) -> None:
@@ -118,3 +145,4 @@ class BlockManager:
                 self.free_blocks[b] = None
         req.block_ids = []
         req.num_registered_blocks = 0
+        req.cache_parent = None

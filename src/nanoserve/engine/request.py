@@ -33,8 +33,11 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # set when first scheduled
         self.block_ids: list[int] = []
-        self.block_hashes: list[int] = []  # hash chain of this request's full blocks, grows as it runs
+        self.block_hashes: list[bytes] = []  # hash chain of this request's full blocks, grows as it runs
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
+        # The cached block that holds the same tokens as its last offered block (None before the first;
+        # NO_CACHED_PARENT once the chain is broken and later blocks cannot be offered).
+        self.cache_parent: Optional[int] = None
         self.status = RequestStatus.WAITING
         self.finish_reason: Optional[FinishReason] = None
         self.stop_reason: Optional[int] = None
