@@ -205,11 +205,47 @@ def error_of(response, status):
     ({"prompt": "x", "logit_bias": {"999999": 5}}, None),
     ({"temperature": 0.5}, "prompt"),
     ({"prompt": "x", "stream": True, "top_k": -5}, "top_k"),
+    # integers beyond 64 bits and negative token ids: named, never a 500
+    ({"prompt": "x", "seed": 2**64}, "seed"),
+    ({"prompt": "x", "max_tokens": 10**23}, "max_tokens"),
+    ({"prompt": "x", "top_k": 2**64}, "top_k"),
+    ({"prompt": "x", "logprobs": 2**64}, "logprobs"),
+    ({"prompt": "x", "logit_bias": {str(2**64): 1}}, "logit_bias"),
+    ({"prompt": [2**64]}, "prompt"),
+    ({"prompt": [-1, 5, 6]}, "prompt"),
+    ({"prompt": [[1, 2], [3, -4]]}, "prompt"),
 ])
 def test_invalid_parameters_are_400(server, body, param):
     error = error_of(httpx.post(f"{server.url}/v1/completions", json=body, timeout=30), 400)
     if param:
         assert param in error["message"] and error["param"] == param
+
+
+def test_errors_the_framework_answers_are_in_openais_shape(server):
+    """No such route, a wrong method, a body that is not UTF-8 JSON or nests or numbers too deep: 404 /
+    405 / 400 with {"error": {...}}, like every other error; the out-of-range token id is named."""
+    url = server.url
+    error = error_of(httpx.get(f"{url}/v1/completions", timeout=30), 405)
+    assert "GET" in error["message"]
+    assert httpx.get(f"{url}/v1/completions", timeout=30).headers["allow"] == "POST"
+    assert "/nope" in error_of(httpx.get(f"{url}/nope", timeout=30), 404)["message"]
+    for body in (b'{"prompt": "\xff\xfe"}',
+                 b'{"prompt": ' + b"[" * 10000 + b"]" * 10000 + b"}",
+                 b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}"):
+        error = error_of(httpx.post(f"{url}/v1/completions", content=body, timeout=30,
+                                    headers={"content-type": "application/json"}), 400)
+        assert "body" in error["message"]
+    error = error_of(httpx.post(f"{url}/v1/completions", json={"prompt": "x", "logit_bias": {"999999": 1}},
+                                timeout=30), 400)
+    assert "999999" in error["message"] and error["param"] == "logit_bias"
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+
+
+def test_models_retrieve(client):
+    assert client.models.retrieve("smol").id == "smol"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-4")
+    assert "gpt-4" in str(info.value) and "does not exist" in str(info.value)
 
 
 def test_error_cases(server):

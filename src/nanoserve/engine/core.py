@@ -117,15 +117,17 @@ class EngineCore:
                 f"this model's maximum context length is {limit} tokens, but the prompt has "
                 f"{prompt_len} tokens (at least one more is needed to generate)")
         vocab = self.model_config.vocab_size
-        if any(t < 0 or t >= vocab for t in request.prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        bad = next((t for t in request.prompt_token_ids if t < 0 or t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad}")
         params = request.sampling_params
         for name in ("stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words_token_ids"):
             ids = getattr(params, name) or ()
             if name == "bad_words_token_ids":
                 ids = [t for seq in ids for t in seq]
-            if any(t >= vocab for t in ids):
-                raise ValueError(f"{name} must hold token ids in [0, {vocab})")
+            bad = next((t for t in ids if t < 0 or t >= vocab), None)
+            if bad is not None:
+                raise ValueError(f"{name} must hold token ids in [0, {vocab}), got {bad}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.config.max_logprobs:

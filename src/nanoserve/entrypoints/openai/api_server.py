@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import nanoserve
 from nanoserve.config import ServerConfig
@@ -94,6 +95,24 @@ def create_app(settings: ServerConfig, tokenizer) -> FastAPI:
                                 for e in errors)
         return error_response(400, message, "BadRequestError", ".".join(loc) or None)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        """What the framework answers itself (no such route, wrong method, a body it cannot parse), in
+        OpenAI's error shape like everything else."""
+        if exc.status_code == 404:
+            response = error_response(404, f"no such endpoint: {request.method} {request.url.path}", "NotFoundError")
+        elif exc.status_code == 405:
+            response = error_response(405, f"method {request.method} is not allowed on {request.url.path}",
+                                      "MethodNotAllowedError")
+        elif exc.status_code == 400:
+            response = error_response(400, "malformed request body: not UTF-8 JSON that could be parsed (nested "
+                                      "too deep, or a number too long?)", "BadRequestError")
+        else:
+            response = error_response(exc.status_code, str(exc.detail), "APIError")
+        for name, value in (exc.headers or {}).items():  # 405's Allow
+            response.headers[name] = value
+        return response
+
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
         return exc.response()
@@ -135,12 +154,21 @@ def create_app(settings: ServerConfig, tokenizer) -> FastAPI:
         body, content_type = Metrics.render()
         return Response(body, media_type=content_type)
 
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "nanoserve",
+                "root": settings.model_path, "max_model_len": state.get("max_model_len")}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": int(time.time()), "owned_by": "nanoserve",
-             "root": settings.model_path, "max_model_len": state.get("max_model_len")}
-            for name in settings.served_model_names]}
+        return {"object": "list", "data": [model_card(name) for name in settings.served_model_names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        """The SDK's `client.models.retrieve`."""
+        if model_id not in settings.served_model_names:
+            raise APIError(404, f"The model `{model_id}` does not exist.", "NotFoundError", "model",
+                           code="model_not_found")
+        return model_card(model_id)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

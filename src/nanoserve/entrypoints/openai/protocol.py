@@ -3,9 +3,9 @@ the vLLM extras clients send in `extra_body`; unknown fields are ignored. `to_sa
 request onto `SamplingParams`, whose own checks name the offending field."""
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Annotated, Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from nanoserve.sampling_params import SamplingParams
 
@@ -15,6 +15,23 @@ class OpenAIModel(BaseModel):
 
 
 MAX_N = 128  # completions per request, OpenAI's own limit: each one holds a sequence in the engine
+INT64_MAX = 2**63 - 1
+# Every integer a request carries fits the engine's 64-bit fields (a larger one is a 400 naming the field,
+# not an overflow deep in the server); token ids are also never negative.
+Int64 = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+
+
+def check_token_prompt(value: Any) -> Any:
+    """A prompt given as token ids (a list, or a list of lists): every id in [0, 2^63). Checked before the
+    union of prompt forms, so the error names the id instead of every form the prompt was not."""
+    lists = value if isinstance(value, list) and value and all(isinstance(v, list) for v in value) else [value]
+    for ids in lists:
+        if isinstance(ids, list):
+            for t in ids:
+                if isinstance(t, int) and not isinstance(t, bool) and not 0 <= t <= INT64_MAX:
+                    raise ValueError(f"prompt token ids must be non-negative 64-bit integers, got {t}")
+    return value
 
 
 class StreamOptions(OpenAIModel):
@@ -25,30 +42,30 @@ class StreamOptions(OpenAIModel):
 class SamplingFields(OpenAIModel):
     """Fields shared by completions and chat (OpenAI's plus vLLM's extras)."""
     model: Optional[str] = None
-    n: int = 1
+    n: Int64 = 1
     temperature: Optional[float] = None
     top_p: Optional[float] = None
-    top_k: Optional[int] = None
+    top_k: Optional[Int64] = None
     min_p: Optional[float] = None
-    seed: Optional[int] = None
+    seed: Optional[Int64] = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: Optional[dict[str, float]] = None
-    allowed_token_ids: Optional[list[int]] = None
+    allowed_token_ids: Optional[list[TokenId]] = None
     bad_words: list[str] = Field(default_factory=list)
     stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
     return_token_ids: bool = False
-    prompt_logprobs: Optional[int] = None
+    prompt_logprobs: Optional[Int64] = None
 
     def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
                         default_max_tokens: Optional[int]) -> SamplingParams:
@@ -61,6 +78,9 @@ class SamplingFields(OpenAIModel):
             except ValueError:
                 raise ValueError("logit_bias keys must be token ids, got "
                                  f"{list(self.logit_bias)!r}") from None
+            bad = next((k for k in bias if not 0 <= k <= INT64_MAX), None)
+            if bad is not None:
+                raise ValueError(f"logit_bias keys must be non-negative 64-bit token ids, got {bad}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
@@ -77,11 +97,13 @@ class SamplingFields(OpenAIModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = 16
-    logprobs: Optional[int] = None
+    prompt: Union[str, list[str], list[TokenId], list[list[TokenId]]]
+    max_tokens: Optional[Int64] = 16
+    logprobs: Optional[Int64] = None
     echo: bool = False
     suffix: Optional[str] = None
+
+    _check_prompt = field_validator("prompt", mode="before")(check_token_prompt)
 
     @property
     def prompt_only(self) -> bool:
@@ -104,10 +126,10 @@ class ChatMessage(OpenAIModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
-    max_tokens: Optional[int] = None
-    max_completion_tokens: Optional[int] = None
+    max_tokens: Optional[Int64] = None
+    max_completion_tokens: Optional[Int64] = None
     logprobs: bool = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[Int64] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -132,6 +154,6 @@ class TokenizeRequest(OpenAIModel):
 
 class DetokenizeRequest(OpenAIModel):
     model: Optional[str] = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
