@@ -365,6 +365,22 @@ def test_client_disconnect_frees_kv_blocks(server):
     assert server.metric('nanoserve:request_success_total{finished_reason="abort"}') >= 1
 
 
+def test_non_streaming_client_that_times_out_is_aborted(server):
+    """A client that gives up on a non-streaming request frees it too (the handler must see the
+    disconnect through the middleware)."""
+    abort = 'nanoserve:request_success_total{finished_reason="abort"}'
+    before = server.metric(abort)
+    for _ in range(3):
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{server.url}/v1/completions", timeout=0.5,
+                       json={"prompt": "Write a very long story.", "max_tokens": 240, "ignore_eos": True})
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and server.metric(abort) - before < 3:
+        time.sleep(0.1)
+    assert server.metric(abort) - before == 3
+    assert server.metric("nanoserve:num_requests_running") == 0
+
+
 def test_metrics(server):
     before = {name: server.metric(name) for name in ("nanoserve:generation_tokens_total", "nanoserve:prefix_cache_hits")}
     for _ in range(2):  # the second run of a 40-token prompt hits the prefix cache

@@ -32,6 +32,37 @@ from nanoserve.sampling_params import field_of_error
 logger = logging.getLogger("nanoserve.api")
 
 
+class RequestIdAndAuth:
+    """API keys on `/v1/*` and the `X-Request-Id` echo, as plain ASGI middleware: Starlette's
+    `@app.middleware("http")` wraps the request's receive channel, and behind it a handler never sees
+    the client disconnect, so a non-streaming request ran to its end after its client had gone."""
+
+    def __init__(self, app, api_keys: list[str]):
+        self.app, self.api_keys = app, [k.encode() for k in api_keys]
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.api_keys and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            given = headers.get(b"authorization", b"")
+            token = given[7:] if given.lower().startswith(b"bearer ") else b""
+            if not any(hmac.compare_digest(token, key) for key in self.api_keys):
+                response = error_response(401, "invalid or missing API key", "AuthenticationError",
+                                          code="invalid_api_key")
+                return await response(scope, receive, send)
+        request_id = headers.get(b"x-request-id")
+        if request_id is None:
+            return await self.app(scope, receive, send)
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 def create_app(settings: ServerConfig, tokenizer) -> FastAPI:
     metrics = Metrics()
 
@@ -69,18 +100,7 @@ def create_app(settings: ServerConfig, tokenizer) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_credentials=True,
                            allow_methods=["*"], allow_headers=["*"])
 
-    @app.middleware("http")
-    async def request_id_and_auth(request: Request, call_next):
-        if settings.api_keys and request.url.path.startswith("/v1") and request.method != "OPTIONS":
-            given = request.headers.get("authorization", "")
-            token = given[7:] if given.lower().startswith("bearer ") else ""
-            if not any(hmac.compare_digest(token.encode(), key.encode()) for key in settings.api_keys):
-                return error_response(401, "invalid or missing API key", "AuthenticationError",
-                                      code="invalid_api_key")
-        response = await call_next(request)
-        if "x-request-id" in request.headers:
-            response.headers["X-Request-Id"] = request.headers["x-request-id"]
-        return response
+    app.add_middleware(RequestIdAndAuth, api_keys=settings.api_keys)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
