@@ -221,6 +221,38 @@ def test_invalid_parameters_are_400(server, body, param):
         assert param in error["message"] and error["param"] == param
 
 
+USER = {"role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+     "messages.0.content"),
+    ({"messages": [USER, {"role": "tool", "content": "42"}]}, "messages.1"),
+    ({"messages": [USER], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [USER], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+     "response_format"),
+    ({"messages": [USER], "guided_choice": ["yes", "no"]}, "guided_choice"),
+    ({"messages": [USER], "stop": [f"s{i}" for i in range(1000)]}, "stop"),
+])
+def test_chat_requests_openai_refuses_are_400(server, body, param):
+    """What OpenAI answers with 400 is not accepted (and, for images or JSON schemas, silently ignored)."""
+    error = error_of(httpx.post(f"{server.url}/v1/chat/completions", json={**body, "max_tokens": 2}, timeout=30), 400)
+    assert error["param"] == param
+
+
+def test_nan_logit_bias_is_400_and_plain_forms_still_work(server):
+    r = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                   content=b'{"prompt": "x", "max_tokens": 2, "logit_bias": {"5": NaN}}',
+                   headers={"content-type": "application/json"})
+    assert error_of(r, 400)["param"] == "logit_bias"
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                {"role": "assistant", "content": "Hello"}, {"role": "tool", "content": "1", "tool_call_id": "c1"}]
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+                   json={"messages": messages, "max_tokens": 2, "response_format": {"type": "text"}})
+    assert r.status_code == 200, r.text
+
+
 def test_errors_the_framework_answers_are_in_openais_shape(server):
     """No such route, a wrong method, a body that is not UTF-8 JSON or nests or numbers too deep: 404 /
     405 / 400 with {"error": {...}}, like every other error; the out-of-range token id is named."""

@@ -3,10 +3,14 @@ validated on construction with a `ValueError` that names the offending field. Te
 (stop strings, bad words) are the frontend's; `for_engine()` strips them before a request crosses."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import msgspec
 
+# Stop strings per request: OpenAI takes 4, vLLM any number; each one is matched against every step's
+# text, so the count is bounded (a 1,000-string list was accepted before).
+MAX_STOP_STRINGS = 64
 
 
 def field_of_error(message: str) -> Optional[str]:
@@ -65,6 +69,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.logit_bias is not None:
             if any(not isinstance(t, int) or t < 0 for t in self.logit_bias):
                 bad("logit_bias", "keys must be non-negative token ids")
+            if any(not isinstance(b, (int, float)) or not math.isfinite(b) for b in self.logit_bias.values()):
+                bad("logit_bias", "values must be finite numbers (clamped to [-100, 100])")
             self.logit_bias = {t: min(100.0, max(-100.0, float(b))) for t, b in self.logit_bias.items()}
         if self.allowed_token_ids is not None and (
                 not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)):
@@ -77,6 +83,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             self.stop = [self.stop]
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be a non-empty string or a list of them")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             bad("bad_words", "must be a list of non-blank strings")
         if any(not seq or any(not isinstance(t, int) or t < 0 for t in seq) for seq in self.bad_words_token_ids):

@@ -111,8 +111,8 @@ def create_app(settings: ServerConfig, tokenizer) -> FastAPI:
             message = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg', ''))}"
             loc = []
         else:
-            message = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body')}: {e.get('msg')}"
-                                for e in errors)
+            message = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body')}: "
+                                f"{e.get('msg', '').removeprefix('Value error, ')}" for e in errors)
         return error_response(400, message, "BadRequestError", ".".join(loc) or None)
 
     @app.exception_handler(StarletteHTTPException)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from nanoserve.sampling_params import SamplingParams
 
@@ -66,6 +66,28 @@ class SamplingFields(OpenAIModel):
     user: Optional[str] = None
     return_token_ids: bool = False
     prompt_logprobs: Optional[Int64] = None
+    # Structured outputs are not implemented yet: a request for them is refused, not answered in prose.
+    response_format: Optional[dict[str, Any]] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Optional[Any] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format_only(cls, value):
+        if value is not None and value.get("type", "text") != "text":
+            raise ValueError(f"response_format of type {value.get('type')!r} is not supported yet (structured "
+                             "outputs are not implemented); only 'text'")
+        return value
+
+    @field_validator("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+    @classmethod
+    def _no_structured_outputs(cls, value, info):
+        if value is not None:
+            raise ValueError(f"{info.field_name} is not supported yet (structured outputs are not implemented)")
+        return value
 
     def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
                         default_max_tokens: Optional[int]) -> SamplingParams:
@@ -115,6 +137,10 @@ class CompletionRequest(SamplingFields):
         return self.sampling_params(1 if self.prompt_only else self.max_tokens, self.logprobs, 16)
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+TEXT_PART_TYPES = ("text", "input_text")
+
+
 class ChatMessage(OpenAIModel):
     model_config = ConfigDict(extra="allow")
     role: str
@@ -122,6 +148,30 @@ class ChatMessage(OpenAIModel):
     reasoning_content: Optional[str] = None
     reasoning: Optional[str] = None
     name: Optional[str] = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: str) -> str:
+        if role not in CHAT_ROLES:
+            raise ValueError(f"role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+        return role
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, content):
+        """The models served are text-only: an image or audio part is refused, not silently dropped."""
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type")
+            if kind not in TEXT_PART_TYPES:
+                raise ValueError(f"content parts of type {kind!r} are not supported: this model takes text only "
+                                 f"(parts of type {' or '.join(TEXT_PART_TYPES)})")
+        return content
+
+    @model_validator(mode="after")
+    def _tool_result_names_its_call(self):
+        if self.role == "tool" and not (self.model_extra or {}).get("tool_call_id"):
+            raise ValueError("a message with role 'tool' needs the tool_call_id of the call it answers")
+        return self
 
 
 class ChatCompletionRequest(SamplingFields):
