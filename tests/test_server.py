@@ -253,6 +253,13 @@ def test_nan_logit_bias_is_400_and_plain_forms_still_work(server):
     assert r.status_code == 200, r.text
 
 
+def test_request_chat_templates_are_refused_by_default(server):
+    body = {"messages": [USER], "max_tokens": 2,
+            "chat_template_kwargs": {"chat_template": "{% for i in range(50000) %}x{% endfor %}"}}
+    error = error_of(httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30), 400)
+    assert "--trust-request-chat-template" in error["message"] and error["param"] == "chat_template_kwargs"
+
+
 def test_errors_the_framework_answers_are_in_openais_shape(server):
     """No such route, a wrong method, a body that is not UTF-8 JSON or nests or numbers too deep: 404 /
     405 / 400 with {"error": {...}}, like every other error; the out-of-range token id is named."""
@@ -488,6 +495,13 @@ def test_api_keys(guarded_server):
     assert client.completions.create(model=client.models.list().data[0].id, prompt="Hi", max_tokens=2).choices
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="bad", max_retries=0).models.list()
+    # every route but /health and /metrics needs the key; the interactive docs are off without --enable-docs
+    for path in ("/version", "/openapi.json"):
+        error_of(httpx.get(f"{url}{path}"), 401)
+        assert httpx.get(f"{url}{path}", headers={"Authorization": "Bearer k1"}).status_code == 200
+    for path in ("/tokenize", "/detokenize"):
+        error_of(httpx.post(f"{url}{path}", json={"prompt": "hi", "tokens": [1]}), 401)
+    error_of(httpx.get(f"{url}/docs", headers={"Authorization": "Bearer k1"}), 404)
 
 
 def test_reasoning_parser_fields(guarded_server):

@@ -134,7 +134,8 @@ class ServerConfig:
     host: str = option("127.0.0.1", "address to listen on")
     port: int = option(8000, "port to listen on")
     api_server_count: int = option(1, "API-server processes sharing the port")
-    api_keys: list[str] = option(help="required bearer key on /v1/* (repeatable; or NANOSERVE_API_KEY)",
+    api_keys: list[str] = option(help="required bearer key on every route but /health and /metrics "
+                                      "(repeatable; or NANOSERVE_API_KEY)",
                                  flag="--api-key", default_factory=list)
     served_model_names: list[str] = option(help="model name(s) clients use (repeatable; default: the file's "
                                            "name)", flag="--served-model-name", default_factory=list)
@@ -143,6 +144,10 @@ class ServerConfig:
     allowed_origins: list[str] = option(help="CORS origin (repeatable, '*' for any)", default_factory=list)
     drain_timeout: float = option(30.0, "seconds SIGTERM waits for in-flight requests")
     log_level: str = option("info", "log level", choices=("debug", "info", "warning", "error"))
+    enable_docs: bool = option(False, "serve the interactive API docs at /docs (behind the API key, like every "
+                                      "route but /health and /metrics)")
+    trust_request_chat_template: bool = option(False, "let requests bring their own chat template (it runs on "
+                                                      "the server; refused by default)")
 
 
 def option_fields(cls) -> list[dataclasses.Field]:

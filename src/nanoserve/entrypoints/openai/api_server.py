@@ -32,8 +32,11 @@ from nanoserve.sampling_params import field_of_error
 logger = logging.getLogger("nanoserve.api")
 
 
+OPEN_PATHS = ("/health", "/metrics")  # the only routes answered without the API key, when one is set
+
+
 class RequestIdAndAuth:
-    """API keys on `/v1/*` and the `X-Request-Id` echo, as plain ASGI middleware: Starlette's
+    """API keys on every route but OPEN_PATHS, and the `X-Request-Id` echo, as plain ASGI middleware: Starlette's
     `@app.middleware("http")` wraps the request's receive channel, and behind it a handler never sees
     the client disconnect, so a non-streaming request ran to its end after its client had gone."""
 
@@ -44,7 +47,7 @@ class RequestIdAndAuth:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.api_keys and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+        if self.api_keys and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
             given = headers.get(b"authorization", b"")
             token = given[7:] if given.lower().startswith(b"bearer ") else b""
             if not any(hmac.compare_digest(token, key) for key in self.api_keys):
@@ -72,7 +75,8 @@ def create_app(settings: ServerConfig, tokenizer) -> FastAPI:
         asyncio.get_running_loop().call_later(1.0, os._exit, 1)
 
     llm = AsyncLLM(tokenizer, settings.address, f"api-{settings.index}-{os.getpid()}".encode(), on_dead)
-    serving = OpenAIServing(llm, tokenizer, settings.served_model_names, metrics, settings.reasoning_parser)
+    serving = OpenAIServing(llm, tokenizer, settings.served_model_names, metrics, settings.reasoning_parser,
+                            settings.trust_request_chat_template)
     state = {"ready": False}
 
     async def connect():
@@ -95,7 +99,8 @@ def create_app(settings: ServerConfig, tokenizer) -> FastAPI:
         task.cancel()
         llm.close()
 
-    app = FastAPI(title="nanoserve", version=nanoserve.__version__, lifespan=lifespan)
+    app = FastAPI(title="nanoserve", version=nanoserve.__version__, lifespan=lifespan,
+                  docs_url="/docs" if settings.enable_docs else None, redoc_url=None)
     if settings.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_credentials=True,
                            allow_methods=["*"], allow_headers=["*"])
