@@ -253,6 +253,29 @@ def test_nan_logit_bias_is_400_and_plain_forms_still_work(server):
     assert r.status_code == 200, r.text
 
 
+def test_huge_prompt_is_refused_before_tokenizing_while_health_answers(server):
+    """A 20 MB prompt cannot fit any context: refused by its length, not after tokenizing it on the event
+    loop (which held /health for 11 s); the chat path the same way."""
+    body = json.dumps({"prompt": "hello world " * 1_700_000, "max_tokens": 2}).encode()
+    result = {}
+
+    def send():
+        result["r"] = httpx.post(f"{server.url}/v1/completions", content=body, timeout=120,
+                                 headers={"content-type": "application/json"})
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    while sender.is_alive():
+        assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+        time.sleep(0.01)
+    sender.join()
+    error = error_of(result["r"], 400)
+    assert error["param"] == "prompt" and "20400000 characters" in error["message"]
+    error = error_of(httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": "hi " * 1_000_000}]}), 400)
+    assert error["param"] == "messages"
+
+
 def test_request_chat_templates_are_refused_by_default(server):
     body = {"messages": [USER], "max_tokens": 2,
             "chat_template_kwargs": {"chat_template": "{% for i in range(50000) %}x{% endfor %}"}}

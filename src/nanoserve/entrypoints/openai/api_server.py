@@ -86,6 +86,7 @@ def create_app(settings: ServerConfig, tokenizer) -> FastAPI:
             logger.error("%s", exc)
             os._exit(1)
         state["ready"], state["max_model_len"], state["compute"] = True, info.max_model_len, info.compute
+        serving.set_max_model_len(info.max_model_len)
         logger.info("engine core ready: max_model_len %d; %s", info.max_model_len, info.compute.summary())
         while not llm.dead:  # engine-wide gauges follow the latest stats the core sent
             if llm.stats is not None:

@@ -69,12 +69,48 @@ class Choice:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
 
+OFF_LOOP_CHARS = 16384  # inputs longer than this are tokenized on a worker thread
+
+
+def text_chars(prompt) -> int:
+    """Characters of text in a completion prompt (strings only; token ids are not text)."""
+    items = [prompt] if isinstance(prompt, str) else prompt
+    return sum(len(item) for item in items if isinstance(item, str))
+
+
+def messages_chars(messages) -> int:
+    return sum(len(m.content) if isinstance(m.content, str) else
+               sum(len(str(part.get("text", ""))) for part in m.content or ()) for m in messages)
+
+
 class OpenAIServing:
     def __init__(self, llm: AsyncLLM, tokenizer, model_names: list[str], metrics: Metrics,
                  reasoning_parser: Optional[str] = None, trust_request_chat_template: bool = False):
         self.llm, self.tokenizer, self.model_names = llm, tokenizer, model_names
         self.metrics, self.reasoning_parser = metrics, reasoning_parser
         self.trust_request_chat_template = trust_request_chat_template
+        # No token spans more characters than the vocabulary's longest, so a text longer than
+        # max_model_len of those cannot fit: refused before it is tokenized (set_max_model_len).
+        self.longest_token_chars = max((len(t) for t in tokenizer.convert_ids_to_tokens(range(len(tokenizer)))
+                                        if t), default=1)
+        self.max_prompt_chars: Optional[int] = None
+
+    def set_max_model_len(self, max_model_len: int) -> None:
+        self.max_prompt_chars = max_model_len * self.longest_token_chars
+
+    def check_text_length(self, chars: int, param: str) -> None:
+        if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
+            raise APIError(400, f"{param} is {chars} characters long, more than this model's context can hold "
+                           f"({self.max_prompt_chars} characters fit in any case)", param=param)
+
+    @staticmethod
+    async def tokenize_off_loop(fn, chars: int, *args):
+        """Tokenizing (or templating) a large input runs on a worker thread, so that the event loop keeps
+        answering everyone else (a 20 MB prompt held it, and /health, for 11 s); a small one runs here,
+        without the thread hop."""
+        if chars > OFF_LOOP_CHARS:
+            return await asyncio.to_thread(fn, *args)
+        return fn(*args)
 
     # --------------------------------------------------------------------------- shared parts
     def check_model(self, model: Optional[str]) -> str:
@@ -229,6 +265,7 @@ class OpenAIServing:
         p = req.prompt
         if isinstance(p, str):
             p = [p]
+        self.check_text_length(text_chars(p), "prompt")
         if not p:
             raise APIError(400, "prompt must not be empty", param="prompt")
         if isinstance(p[0], int):
@@ -247,7 +284,7 @@ class OpenAIServing:
     async def completions(self, req: CompletionRequest, raw: Request):
         model = self.check_model(req.model)
         params = req.to_sampling_params()
-        prompts = self.completion_prompts(req)
+        prompts = await self.tokenize_off_loop(self.completion_prompts, text_chars(req.prompt), req)
         # echo with logprobs: the prompt's own logprobs come first, so the engine computes them too.
         echo_logprobs = req.echo and params.logprobs is not None
         wants_prompt_logprobs = params.prompt_logprobs is not None
@@ -333,6 +370,7 @@ class OpenAIServing:
 
     # ----------------------------------------------------------------------------------- chat
     def chat_prompt(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+        self.check_text_length(messages_chars(req.messages), "messages")
         messages = []
         for m in req.messages:
             message = m.model_dump(exclude_none=True)
@@ -364,7 +402,7 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         model = self.check_model(req.model)
         params = req.to_sampling_params()
-        prompt_text, ids = self.chat_prompt(req)
+        prompt_text, ids = await self.tokenize_off_loop(self.chat_prompt, messages_chars(req.messages), req)
 
         def reasoning_for(_):
             parsers = [make_reasoning_parser(self.reasoning_parser, prompt_text, req.chat_template_kwargs)
