@@ -21,7 +21,7 @@ GREEDY = dict(temperature=0, max_tokens=16)
 
 @pytest.fixture(scope="module")
 def server():
-    proc = ServerProcess("--api-server-count", "2", "--max-model-len", "256",
+    proc = ServerProcess("--api-server-count", "2", "--max-model-len", "256", "--body-read-timeout", "2",
                          "--allowed-origins", "http://example.com", "--served-model-name", "smol")
     yield proc
     proc.stop()
@@ -274,6 +274,41 @@ def test_huge_prompt_is_refused_before_tokenizing_while_health_answers(server):
     error = error_of(httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
         "messages": [{"role": "user", "content": "hi " * 1_000_000}]}), 400)
     assert error["param"] == "messages"
+
+
+def raw_http(server, request: bytes) -> tuple[int, dict]:
+    """Sends bytes as they are (what no well-behaved client would) and returns the status and JSON body."""
+    import socket
+
+    host, port = server.url.split("//")[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(request)
+        data = b""
+        while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    status = int(data.split(b" ", 2)[1])
+    return status, json.loads(data[data.index(b"{"):])
+
+
+def test_request_limits(server):
+    """Documented limits, each answered in OpenAI's shape before any handler runs: body size (413),
+    header count and size and X-Request-Id length (431), a body that arrives too slowly (408)."""
+    post = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    status, body = raw_http(server, post + b"Content-Length: 200000000\r\n\r\n")
+    assert status == 413 and "33554432" in body["error"]["message"]
+    many = b"".join(b"X-H%d: v\r\n" % i for i in range(200))
+    status, body = raw_http(server, b"GET /health HTTP/1.1\r\nHost: x\r\n" + many + b"\r\n")
+    assert status == 431 and "at most 100" in body["error"]["message"]
+    status, body = raw_http(server, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 40000 + b"\r\n\r\n")
+    assert status == 431 and "32768" in body["error"]["message"]
+    status, body = raw_http(server, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Request-Id: " + b"r" * 1000 + b"\r\n\r\n")
+    assert status == 431 and "X-Request-Id" in body["error"]["message"]
+    status, body = raw_http(server, post + b'Content-Length: 40\r\n\r\n{"prompt": ')  # and then nothing
+    assert status == 408 and body["error"]["type"] == "RequestTimeout"
+    assert httpx.get(f"{server.url}/health", headers={"X-Request-Id": "r" * 128}).headers["x-request-id"] == "r" * 128
 
 
 def test_request_chat_templates_are_refused_by_default(server):

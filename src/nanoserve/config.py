@@ -144,6 +144,12 @@ class ServerConfig:
     allowed_origins: list[str] = option(help="CORS origin (repeatable, '*' for any)", default_factory=list)
     drain_timeout: float = option(30.0, "seconds SIGTERM waits for in-flight requests")
     log_level: str = option("info", "log level", choices=("debug", "info", "warning", "error"))
+    max_body_bytes: int = option(32 * 2**20, "413 for a request body larger than this")
+    max_header_bytes: int = option(32 * 2**10, "431 for request headers larger than this, all together")
+    max_headers: int = option(100, "431 for more request headers than this")
+    max_request_id_length: int = option(128, "431 for a longer X-Request-Id (it is echoed back)")
+    body_read_timeout: float = option(30.0, "408 when a request body takes longer than this many seconds to arrive")
+    keep_alive_timeout: float = option(5.0, "seconds an idle keep-alive connection stays open")
     enable_docs: bool = option(False, "serve the interactive API docs at /docs (behind the API key, like every "
                                       "route but /health and /metrics)")
     trust_request_chat_template: bool = option(False, "let requests bring their own chat template (it runs on "

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import nanoserve
 from nanoserve.config import ServerConfig
 from nanoserve.engine.client import EngineDeadError, RequestRejected
+from nanoserve.entrypoints.openai.limits import RequestLimits
 from nanoserve.entrypoints.openai.metrics import Metrics
 from nanoserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                    TokenizeRequest)
@@ -107,6 +108,7 @@ def create_app(settings: ServerConfig, tokenizer) -> FastAPI:
                            allow_methods=["*"], allow_headers=["*"])
 
     app.add_middleware(RequestIdAndAuth, api_keys=settings.api_keys)
+    app.add_middleware(RequestLimits, settings=settings)  # added last: runs first
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
@@ -256,5 +258,5 @@ def run_api_server(settings: ServerConfig) -> None:
     sock = listening_socket(settings.host, settings.port)
     app = create_app(settings, load_tokenizer(settings.model_path))
     config = uvicorn.Config(app, log_level=settings.log_level, timeout_graceful_shutdown=settings.drain_timeout,
-                            access_log=False)
+                            access_log=False, timeout_keep_alive=settings.keep_alive_timeout)
     uvicorn.Server(config).run(sockets=[sock])
