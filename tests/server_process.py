@@ -44,10 +44,13 @@ class ServerProcess:
         with open(self.log_path) as f:
             return f.read()
 
-    def metric(self, name: str) -> float:
+    def metric(self, name: str, default: float | None = None) -> float:
+        """A metric's value; `default` for one not exported yet (a labelled counter never incremented)."""
         for line in httpx.get(f"{self.url}/metrics").text.splitlines():
             if line.startswith(name + " ") or line.startswith(name + "{"):
                 return float(line.rsplit(" ", 1)[1])
+        if default is not None:
+            return default
         raise KeyError(name)
 
     def children(self) -> list[int]:

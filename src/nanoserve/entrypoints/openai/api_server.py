@@ -232,6 +232,7 @@ def create_app(settings: ServerConfig, tokenizer) -> FastAPI:
         return {"prompt": tokenizer.decode(body.tokens)}
 
     app.state.llm = llm
+    app.state.serving = serving
     return app
 
 
@@ -259,4 +260,17 @@ def run_api_server(settings: ServerConfig) -> None:
     app = create_app(settings, load_tokenizer(settings.model_path))
     config = uvicorn.Config(app, log_level=settings.log_level, timeout_graceful_shutdown=settings.drain_timeout,
                             access_log=False, timeout_keep_alive=settings.keep_alive_timeout)
-    uvicorn.Server(config).run(sockets=[sock])
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn cuts what is still in flight when its graceful shutdown times out (a broken chunked
+        stream, a dropped connection); a little before that, the requests end themselves, in order."""
+
+        def handle_exit(self, sig, frame):
+            if not self.should_exit:
+                margin = min(1.0, settings.drain_timeout / 4)
+                loop = asyncio.get_event_loop()
+                loop.call_soon_threadsafe(loop.call_later, max(0.0, settings.drain_timeout - margin),
+                                          app.state.serving.end_drain)
+            super().handle_exit(sig, frame)
+
+    DrainingServer(config).run(sockets=[sock])

@@ -69,6 +69,7 @@ class Choice:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
 
+DRAIN_EXPIRED = "the server is shutting down and this request did not finish within its drain time (--drain-timeout)"
 OFF_LOOP_CHARS = 16384  # inputs longer than this are tokenized on a worker thread
 
 
@@ -89,11 +90,17 @@ class OpenAIServing:
         self.llm, self.tokenizer, self.model_names = llm, tokenizer, model_names
         self.metrics, self.reasoning_parser = metrics, reasoning_parser
         self.trust_request_chat_template = trust_request_chat_template
+        self.drain_expired = False  # set just before a shutdown's drain time runs out (end_drain)
         # No token spans more characters than the vocabulary's longest, so a text longer than
         # max_model_len of those cannot fit: refused before it is tokenized (set_max_model_len).
         self.longest_token_chars = max((len(t) for t in tokenizer.convert_ids_to_tokens(range(len(tokenizer)))
                                         if t), default=1)
         self.max_prompt_chars: Optional[int] = None
+
+    def end_drain(self) -> None:
+        """The server is stopping and its drain time is nearly over: every request still running ends now,
+        a stream with an error event and `[DONE]`, a non-streaming request with a 503."""
+        self.drain_expired = True
 
     def set_max_model_len(self, max_model_len: int) -> None:
         self.max_prompt_chars = max_model_len * self.longest_token_chars
@@ -183,23 +190,31 @@ class OpenAIServing:
 
         task = asyncio.create_task(run())
         while not task.done():
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if not done and await raw.is_disconnected():
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if not done and (self.drain_expired or await raw.is_disconnected()):
                 task.cancel()
                 try:
                     await task
                 except asyncio.CancelledError:
                     pass
+                if self.drain_expired:
+                    raise APIError(503, DRAIN_EXPIRED, "ServiceUnavailableError")
                 raise APIError(499, "client disconnected", "ClientDisconnected")
         task.result()
         return cached
 
-    @staticmethod
-    async def _guard(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-        """Once a stream has started its status is sent: a failure (the engine died) becomes an error
-        event, then `[DONE]`, so that clients end cleanly instead of waiting."""
+    async def _guard(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+        """Once a stream has started its status is sent: a failure (the engine died) or a shutdown whose
+        drain time runs out becomes an error event, then `[DONE]`, so that clients end cleanly instead of
+        waiting or seeing a broken response."""
         try:
             async for chunk in chunks:
+                if self.drain_expired:
+                    await chunks.aclose()  # aborts the request
+                    yield sse({"error": {"message": DRAIN_EXPIRED, "type": "ServiceUnavailableError",
+                                         "param": None, "code": 503}})
+                    yield "data: [DONE]\n\n"
+                    return
                 yield chunk
         except EngineDeadError as exc:
             yield sse({"error": {"message": f"the engine is not available: {exc}", "type": "ServiceUnavailableError",
