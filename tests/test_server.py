@@ -648,3 +648,44 @@ def test_full_queue_is_503_and_a_dead_engine_ends_requests(own_guarded_server):
         thread.join(30)
         assert '"error"' in waiting_result["body"]
     assert guarded_server.proc.wait(30) != 0
+
+
+def test_generated_requests_never_get_a_5xx(server):
+    """Property: 500 generated request bodies (known fields with values of every JSON type, huge and
+    negative numbers, NaN, nesting, unknown fields) to both generation endpoints: never a 5xx, every error in
+    OpenAI's shape, and the server keeps serving."""
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.integers(-3, 300),
+                        st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=20))
+    values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) |
+                          st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=8)
+    fields = ["prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop",
+              "logit_bias", "logprobs", "top_logprobs", "echo", "stream", "stop_token_ids", "min_tokens",
+              "presence_penalty", "frequency_penalty", "repetition_penalty", "response_format", "allowed_token_ids",
+              "bad_words", "prompt_logprobs", "ignore_eos", "stream_options", "chat_template_kwargs", "x_unknown"]
+    base = st.fixed_dictionaries({"max_tokens": st.integers(1, 3)}, optional={
+        "prompt": st.one_of(st.text(max_size=30), st.lists(st.integers(-5, 60000), max_size=6), values),
+        "messages": st.one_of(st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "x"]),
+                                                             "content": st.one_of(st.text(max_size=20), values)}),
+                                       max_size=3), values)})
+    bodies = st.tuples(base, st.dictionaries(st.sampled_from(fields), values, max_size=4))
+    statuses = {}
+
+    @settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(bodies, st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+    def one(parts, path):
+        body = {**parts[0], **parts[1]}
+        if isinstance(body.get("max_tokens"), int) and 0 < body["max_tokens"] > 3:
+            body["max_tokens"] = 3  # valid requests stay short
+        r = httpx.post(f"{server.url}{path}", timeout=120, content=json.dumps(body).encode(),
+                       headers={"content-type": "application/json"})
+        statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+        assert r.status_code < 500, (body, r.text)
+        if r.status_code >= 400:
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+    for _ in range(2):  # 2 x 250 examples
+        one()
+    assert sum(statuses.values()) >= 500 and statuses.get(200, 0) > 0 and any(s >= 400 for s in statuses)
+    assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
