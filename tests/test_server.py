@@ -214,6 +214,7 @@ def error_of(response, status):
     ({"prompt": [2**64]}, "prompt"),
     ({"prompt": [-1, 5, 6]}, "prompt"),
     ({"prompt": [[1, 2], [3, -4]]}, "prompt"),
+    ({"prompt": [4294967296.0]}, "prompt"),  # found by the property test: the tokenizer's decode overflowed
 ])
 def test_invalid_parameters_are_400(server, body, param):
     error = error_of(httpx.post(f"{server.url}/v1/completions", json=body, timeout=30), 400)

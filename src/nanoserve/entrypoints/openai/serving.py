@@ -290,6 +290,10 @@ class OpenAIServing:
             if isinstance(item, str):
                 prompts.append((item, self.tokenizer.encode(item, add_special_tokens=True)))
             elif isinstance(item, list) and all(isinstance(t, int) for t in item):
+                vocab = len(self.tokenizer)
+                bad = next((t for t in item if not 0 <= t < vocab), None)
+                if bad is not None:  # checked here too: the tokenizer's decode overflows on a huge id
+                    raise APIError(400, f"prompt token ids must be in [0, {vocab}), got {bad}", param="prompt")
                 prompts.append((None, list(item)))
             else:
                 raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or "
