@@ -78,11 +78,6 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, Quan
     free(amax);
 }
 
-/* out = dx * (the integer part's lanes summed) + (the minimum term): one function for both kernels. */
-static inline float finish(float dx, __m256 acc, float m_term) {
-    return dx * hsum256(acc) + m_term;
-}
-
 /* One group's weight rows ready for the tiles: codes as bytes [row][block][32], each block's two scales
  * [row][block][8] (lanes 0-3: weights 0..15, lanes 4-7: 16..31, the lanes of vpmaddwd's sums), and the
  * blocks' minimums transposed [block][NGI] (zero past the group's last row and for signed types). */
@@ -227,20 +222,12 @@ NS_ALWAYS_INLINE void stream_row(int t, const QuantizedRows *xq, const uint8_t *
     for (int64_t i = 0; i < M; i++) out[i * ldo] = finish(xq->dx[i], acc[i], m_term[i]);
 }
 
-/* Each weight row in parallel; one region per type, so that the type is a literal inside it (see
- * gemm_rows), and M a literal, so that x's vectors and the accumulators stay in registers (with M a
- * run-time value GCC turned the loads into memcpy calls). */
+/* Each weight row in parallel (STREAM_ROWS_CASE). */
 static void stream_rows(const QuantizedRows *xq, const BlockWeight *w, float *out, int64_t ldo, int64_t M, int64_t nb) {
     const uint8_t *data = (const uint8_t *)w->data;
     const int64_t N = w->n, rb = w->row_bytes;
     switch (w->type) {
-#define CASE(T)                                                                                              \
-    case T:                                                                                                  \
-        _Pragma("omp parallel for schedule(static)") for (int64_t n = 0; n < N; n++) {                       \
-            if (M == 1) stream_row(T, xq, data + n * rb, out + n, ldo, 1, nb);                               \
-            else stream_row(T, xq, data + n * rb, out + n, ldo, 2, nb);                                      \
-        }                                                                                                    \
-        break;
+#define CASE(T) STREAM_ROWS_CASE(T, stream_row)
         FOR_EACH_BLOCK32_TYPE(CASE)
 #undef CASE
     default: break;

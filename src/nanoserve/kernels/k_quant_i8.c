@@ -86,23 +86,16 @@ NS_ALWAYS_INLINE void k_stream_row(int t, const QuantizedRows *xq, const uint8_t
             }
         }
     }
-    for (int64_t i = 0; i < M; i++) out[i * ldo] = xq->dx[i] * hsum256(acc[i]) + m_term[i];
+    for (int64_t i = 0; i < M; i++) out[i * ldo] = finish(xq->dx[i], acc[i], m_term[i]);
 }
 
-/* Each weight row in parallel; one region per type and M a literal (see int8_gemm.c's stream_rows). */
+/* Each weight row in parallel (quantized_rows.h's STREAM_ROWS_CASE). */
 void k_stream_i8(const QuantizedRows *xq, const BlockWeight *w, float *out, int64_t ldo, int64_t M) {
     const uint8_t *data = (const uint8_t *)w->data;
     const int64_t N = w->n, rb = w->row_bytes, nb = w->k / 32;
     switch (w->type) {
-#define CASE(T)                                                                                              \
-    case T:                                                                                                  \
-        _Pragma("omp parallel for schedule(static)") for (int64_t n = 0; n < N; n++) {                       \
-            if (M == 1) k_stream_row(T, xq, data + n * rb, out + n, ldo, 1, nb);                             \
-            else k_stream_row(T, xq, data + n * rb, out + n, ldo, 2, nb);                                    \
-        }                                                                                                    \
-        break;
-        CASE(T_Q4_K) CASE(T_Q5_K) CASE(T_Q6_K)
-#undef CASE
+        STREAM_ROWS_CASE(T_Q4_K, k_stream_row) STREAM_ROWS_CASE(T_Q5_K, k_stream_row)
+        STREAM_ROWS_CASE(T_Q6_K, k_stream_row)
     default: break;
     }
 }

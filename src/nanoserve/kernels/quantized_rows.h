@@ -8,6 +8,7 @@
 
 #include "abi.h"
 #include "quant_blocks.h"
+#include "vec_math.h"
 
 #define TR 4 /* rows of x per panel */
 
@@ -41,6 +42,23 @@ NS_ALWAYS_INLINE __m256i dot_codes(int t, __m256i wv, __m256i wabs, __m256i xv, 
  * faster than several weight rows side by side, whose interleaved streams it follows badly). */
 #define STREAM_MAX_ROWS 2 /* measured: the GEMM is faster from 3 rows */
 #define STREAM_PREFETCH_BYTES 4096
+
+/* out = dx * (the integer part's lanes summed) + (the minimum term): one function for every int8 kernel. */
+static inline float finish(float dx, __m256 acc, float m_term) {
+    return dx * hsum256(acc) + m_term;
+}
+
+/* One case of a streaming kernel's switch on the weight type: each weight row in parallel, in one region
+ * per type so that the type is a literal inside it (GCC outlines OpenMP regions before it inlines), and M
+ * a literal, so that x's vectors and the accumulators stay in registers (with M a run-time value GCC
+ * turned the loads into memcpy calls). Uses the caller's xq, data, rb, N, out, ldo, M and nb. */
+#define STREAM_ROWS_CASE(T, ROW)                                                                             \
+    case T:                                                                                                  \
+        _Pragma("omp parallel for schedule(static)") for (int64_t n = 0; n < N; n++) {                       \
+            if (M == 1) ROW(T, xq, data + n * rb, out + n, ldo, 1, nb);                                      \
+            else ROW(T, xq, data + n * rb, out + n, ldo, 2, nb);                                             \
+        }                                                                                                    \
+        break;
 
 /* out = x W^T for M <= STREAM_MAX_ROWS rows of x (quantized in xq) and W of a K type: k_quant_i8.c. */
 void k_stream_i8(const QuantizedRows *xq, const BlockWeight *w, float *out, int64_t ldo, int64_t M);
