@@ -290,10 +290,11 @@ class OpenAIServing:
             if isinstance(item, str):
                 prompts.append((item, self.tokenizer.encode(item, add_special_tokens=True)))
             elif isinstance(item, list) and all(isinstance(t, int) for t in item):
-                vocab = len(self.tokenizer)
-                bad = next((t for t in item if not 0 <= t < vocab), None)
-                if bad is not None:  # checked here too: the tokenizer's decode overflows on a huge id
-                    raise APIError(400, f"prompt token ids must be in [0, {vocab}), got {bad}", param="prompt")
+                # The engine checks ids against the model's vocabulary; the tokenizer (echo decodes the
+                # prompt here) takes 32-bit ids and fails on larger ones.
+                bad = next((t for t in item if not 0 <= t < 2**32), None)
+                if bad is not None:
+                    raise APIError(400, f"prompt token ids must be below 2^32, got {bad}", param="prompt")
                 prompts.append((None, list(item)))
             else:
                 raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or "
@@ -309,7 +310,8 @@ class OpenAIServing:
         wants_prompt_logprobs = params.prompt_logprobs is not None
         if echo_logprobs:
             params.prompt_logprobs = max(params.prompt_logprobs or 0, params.logprobs)
-        texts = [t if t is not None else self.tokenizer.decode(ids) for t, ids in prompts]
+        # echo alone needs a token-id prompt's text
+        texts = [t if t is not None or not req.echo else self.tokenizer.decode(ids) for t, ids in prompts]
         ids_list = [ids for _, ids in prompts]
         timer = RequestTimer(self.metrics)
         streams = await self._submit(raw, ids_list, params, lambda i: None)
