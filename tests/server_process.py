@@ -53,6 +53,14 @@ class ServerProcess:
             return default
         raise KeyError(name)
 
+    def wait_metric(self, name: str, value: float, timeout: float = 10.0) -> float:
+        """The metric once it equals `value`, or its last reading after `timeout` s: engine gauges
+        arrive with the engine's next stats, a little after the API server has answered."""
+        deadline = time.monotonic() + timeout
+        while (current := self.metric(name, 0.0)) != value and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return current
+
     def children(self) -> list[int]:
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
         return [int(x) for x in out.split()]

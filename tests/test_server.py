@@ -440,8 +440,7 @@ def test_64_concurrent_mixed_requests_all_finish(server):
 
     finishes = asyncio.run(main())
     assert len(finishes) == 64 and all(f in ("stop", "length") for f in finishes), finishes
-    time.sleep(0.5)
-    assert server.metric("nanoserve:num_requests_running") == 0
+    assert server.wait_metric("nanoserve:num_requests_running", 0) == 0
 
 
 def test_client_disconnect_frees_kv_blocks(server):
@@ -452,14 +451,8 @@ def test_client_disconnect_frees_kv_blocks(server):
             next(lines)
         assert server.metric("nanoserve:num_requests_running") >= 1
         assert server.metric("nanoserve:kv_cache_usage_perc") > 0
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if server.metric("nanoserve:num_requests_running") == 0 and \
-                server.metric("nanoserve:kv_cache_usage_perc") == 0:
-            break
-        time.sleep(0.1)
-    assert server.metric("nanoserve:num_requests_running") == 0
-    assert server.metric("nanoserve:kv_cache_usage_perc") == 0
+    assert server.wait_metric("nanoserve:num_requests_running", 0) == 0
+    assert server.wait_metric("nanoserve:kv_cache_usage_perc", 0) == 0
     assert server.metric('nanoserve:request_success_total{finished_reason="abort"}') >= 1
 
 
@@ -472,11 +465,8 @@ def test_non_streaming_client_that_times_out_is_aborted(server):
         with pytest.raises(httpx.TimeoutException):
             httpx.post(f"{server.url}/v1/completions", timeout=0.5,
                        json={"prompt": "Write a very long story.", "max_tokens": 240, "ignore_eos": True})
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and server.metric(abort, 0.0) - before < 3:
-        time.sleep(0.1)
-    assert server.metric(abort, 0.0) - before >= 3
-    assert server.metric("nanoserve:num_requests_running") == 0
+    assert server.wait_metric(abort, before + 3) - before >= 3
+    assert server.wait_metric("nanoserve:num_requests_running", 0) == 0
 
 
 def test_metrics(server):
@@ -565,7 +555,8 @@ def test_drain_timeout_ends_requests_with_an_error_not_a_cut():
 
 
 GUARDED = ("--api-key", "k1", "--api-key", "k2", "--max-num-seqs", "1", "--max-waiting-requests", "1",
-           "--reasoning-parser", "deepseek_r1", "--kv-cache-dtype", "float16")
+           "--reasoning-parser", "deepseek_r1", "--kv-cache-dtype", "float16",
+           "--trust-request-chat-template", "--chat-template-timeout", "1")
 
 
 @pytest.fixture(scope="module")
@@ -610,6 +601,36 @@ def test_reasoning_parser_fields(guarded_server):
     plain = client.chat.completions.create(extra_body={"chat_template_kwargs": {"enable_thinking": False}},
                                            **kw).choices[0].message
     assert plain.content == message.model_extra["reasoning"] and not plain.model_extra.get("reasoning")
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            total += sum(int(x) for x in f.read().rsplit(")", 1)[1].split()[11:13])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def test_trusted_request_templates_run_and_are_stopped_at_their_deadline(guarded_server):
+    """With --trust-request-chat-template a request's template renders the prompt; one that runs past
+    --chat-template-timeout gets a 400 and is stopped (no core left burning), and serving goes on."""
+    url, auth = guarded_server.url, {"Authorization": "Bearer k1"}
+    body = {"messages": [USER], "max_tokens": 1, "return_token_ids": True,
+            "chat_template_kwargs": {"chat_template": "{% for m in messages %}Q: {{ m.content }}\n{% endfor %}A:"}}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=auth, timeout=30)
+    assert r.status_code == 200, r.text
+    prompt = httpx.post(f"{url}/detokenize", json={"tokens": r.json()["prompt_token_ids"]}, headers=auth).json()
+    assert prompt["prompt"] == f"Q: {USER['content']}\nA:"
+    endless = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    body["chat_template_kwargs"]["chat_template"] = endless
+    error = error_of(httpx.post(f"{url}/v1/chat/completions", json=body, headers=auth, timeout=30), 400)
+    assert "--chat-template-timeout" in error["message"]
+    pids = guarded_server.children()
+    before = cpu_seconds(pids)
+    time.sleep(1.0)
+    assert cpu_seconds(pids) - before < 0.5  # the rendering thread was stopped
+    body["chat_template_kwargs"] = {}
+    assert httpx.post(f"{url}/v1/chat/completions", json=body, headers=auth, timeout=30).status_code == 200
 
 
 @pytest.fixture

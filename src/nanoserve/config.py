@@ -154,6 +154,8 @@ class ServerConfig:
                                       "route but /health and /metrics)")
     trust_request_chat_template: bool = option(False, "let requests bring their own chat template (it runs on "
                                                       "the server; refused by default)")
+    chat_template_timeout: float = option(5.0, "400 when rendering a request's chat template takes longer than "
+                                               "this many seconds (the rendering is stopped)")
 
 
 def option_fields(cls) -> list[dataclasses.Field]:

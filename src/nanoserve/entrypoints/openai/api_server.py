@@ -77,7 +77,7 @@ def create_app(settings: ServerConfig, tokenizer) -> FastAPI:
 
     llm = AsyncLLM(tokenizer, settings.address, f"api-{settings.index}-{os.getpid()}".encode(), on_dead)
     serving = OpenAIServing(llm, tokenizer, settings.served_model_names, metrics, settings.reasoning_parser,
-                            settings.trust_request_chat_template)
+                            settings.trust_request_chat_template, settings.chat_template_timeout)
     state = {"ready": False}
 
     async def connect():

@@ -13,6 +13,7 @@ from typing import AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from nanoserve.entrypoints.openai.deadline import DeadlineExceeded, run_with_deadline
 from nanoserve.entrypoints.openai.metrics import Metrics, RequestTimer
 from nanoserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from nanoserve.engine.client import EngineDeadError
@@ -86,10 +87,12 @@ def messages_chars(messages) -> int:
 
 class OpenAIServing:
     def __init__(self, llm: AsyncLLM, tokenizer, model_names: list[str], metrics: Metrics,
-                 reasoning_parser: Optional[str] = None, trust_request_chat_template: bool = False):
+                 reasoning_parser: Optional[str] = None, trust_request_chat_template: bool = False,
+                 chat_template_timeout: float = 5.0):
         self.llm, self.tokenizer, self.model_names = llm, tokenizer, model_names
         self.metrics, self.reasoning_parser = metrics, reasoning_parser
         self.trust_request_chat_template = trust_request_chat_template
+        self.chat_template_timeout = chat_template_timeout
         self.drain_expired = False  # set just before a shutdown's drain time runs out (end_drain)
         # No token spans more characters than the vocabulary's longest, so a text longer than
         # max_model_len of those cannot fit: refused before it is tokenized (set_max_model_len).
@@ -423,7 +426,11 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         model = self.check_model(req.model)
         params = req.to_sampling_params()
-        prompt_text, ids = await self.tokenize_off_loop(self.chat_prompt, messages_chars(req.messages), req)
+        try:  # always off the loop and bounded: even the model's own template loops over any number of messages
+            prompt_text, ids = await run_with_deadline(self.chat_prompt, self.chat_template_timeout, req)
+        except DeadlineExceeded:
+            raise APIError(400, f"rendering the chat template took longer than {self.chat_template_timeout:g} s "
+                           "(--chat-template-timeout) and was stopped", param="messages") from None
 
         def reasoning_for(_):
             parsers = [make_reasoning_parser(self.reasoning_parser, prompt_text, req.chat_template_kwargs)
