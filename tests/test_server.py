@@ -243,10 +243,11 @@ def test_chat_requests_openai_refuses_are_400(server, body, param):
 
 
 def test_nan_logit_bias_is_400_and_plain_forms_still_work(server):
-    r = httpx.post(f"{server.url}/v1/completions", timeout=30,
-                   content=b'{"prompt": "x", "max_tokens": 2, "logit_bias": {"5": NaN}}',
-                   headers={"content-type": "application/json"})
-    assert error_of(r, 400)["param"] == "logit_bias"
+    for value in (b"NaN", b"1e999"):  # not JSON numbers (Python's json took them): a malformed body
+        r = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                       content=b'{"prompt": "x", "max_tokens": 2, "logit_bias": {"5": %s}}' % value,
+                       headers={"content-type": "application/json"})
+        assert "malformed JSON body" in error_of(r, 400)["message"]
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "hi"}]},
                 {"role": "assistant", "content": "Hello"}, {"role": "tool", "content": "1", "tool_call_id": "c1"}]
     r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
@@ -307,6 +308,16 @@ def test_request_limits(server):
     assert status == 431 and "32768" in body["error"]["message"]
     status, body = raw_http(server, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Request-Id: " + b"r" * 1000 + b"\r\n\r\n")
     assert status == 431 and "X-Request-Id" in body["error"]["message"]
+    nested = json.dumps({"prompt": [[1]] * 300_000}).encode()  # 2.1 MiB, 300k lists: parsing alone would block
+    status, body = raw_http(server, post + b"Content-Length: %d\r\n\r\n" % len(nested) + nested)
+    assert status == 413 and "JSON nodes" in body["error"]["message"]
+    for many, message in ((json.dumps({"prompt": [1] * (2**20 + 1)}), "token ids"),
+                          (json.dumps({"prompt": ["a"] * 4097}), "4096 prompts"),
+                          (json.dumps({"messages": [USER] * 4097}), "4096 items")):
+        path = "/v1/chat/completions" if "messages" in many else "/v1/completions"
+        error = error_of(httpx.post(f"{server.url}{path}", content=many, timeout=30,
+                                    headers={"content-type": "application/json"}), 400)
+        assert message in error["message"], error
     status, body = raw_http(server, post + b'Content-Length: 40\r\n\r\n{"prompt": ')  # and then nothing
     assert status == 408 and body["error"]["type"] == "RequestTimeout"
     assert httpx.get(f"{server.url}/health", headers={"X-Request-Id": "r" * 128}).headers["x-request-id"] == "r" * 128

@@ -145,6 +145,8 @@ class ServerConfig:
     drain_timeout: float = option(30.0, "seconds SIGTERM waits for in-flight requests")
     log_level: str = option("info", "log level", choices=("debug", "info", "warning", "error"))
     max_body_bytes: int = option(32 * 2**20, "413 for a request body larger than this")
+    max_json_nodes: int = option(1 << 17, "413 for a body (over 1 MiB) with more JSON nodes than this, counted "
+                                          "before parsing: each '{', '[' and ':' as one, each ',' as 1/16")
     max_header_bytes: int = option(32 * 2**10, "431 for request headers larger than this, all together")
     max_headers: int = option(100, "431 for more request headers than this")
     max_request_id_length: int = option(128, "431 for a longer X-Request-Id (it is echoed back)")

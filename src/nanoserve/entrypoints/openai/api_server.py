@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import nanoserve
 from nanoserve.config import ServerConfig
 from nanoserve.engine.client import EngineDeadError, RequestRejected
-from nanoserve.entrypoints.openai.limits import RequestLimits
+from nanoserve.entrypoints.openai.limits import PreReadRoute, RequestLimits
 from nanoserve.entrypoints.openai.metrics import Metrics
 from nanoserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                    TokenizeRequest)
@@ -67,6 +67,9 @@ class RequestIdAndAuth:
         await self.app(scope, receive, send_with_id)
 
 
+READY_WAIT_S = 5.0  # how long a request waits for this API server's engine handshake before a 503
+
+
 def create_app(settings: ServerConfig, tokenizer) -> FastAPI:
     metrics = Metrics()
 
@@ -78,7 +81,7 @@ def create_app(settings: ServerConfig, tokenizer) -> FastAPI:
     llm = AsyncLLM(tokenizer, settings.address, f"api-{settings.index}-{os.getpid()}".encode(), on_dead)
     serving = OpenAIServing(llm, tokenizer, settings.served_model_names, metrics, settings.reasoning_parser,
                             settings.trust_request_chat_template, settings.chat_template_timeout)
-    state = {"ready": False}
+    state, ready = {"ready": False}, asyncio.Event()
 
     async def connect():
         try:
@@ -88,6 +91,7 @@ def create_app(settings: ServerConfig, tokenizer) -> FastAPI:
             os._exit(1)
         state["ready"], state["max_model_len"], state["compute"] = True, info.max_model_len, info.compute
         serving.set_max_model_len(info.max_model_len)
+        ready.set()
         logger.info("engine core ready: max_model_len %d; %s", info.max_model_len, info.compute.summary())
         while not llm.dead:  # engine-wide gauges follow the latest stats the core sent
             if llm.stats is not None:
@@ -103,6 +107,7 @@ def create_app(settings: ServerConfig, tokenizer) -> FastAPI:
 
     app = FastAPI(title="nanoserve", version=nanoserve.__version__, lifespan=lifespan,
                   docs_url="/docs" if settings.enable_docs else None, redoc_url=None)
+    app.router.route_class = PreReadRoute
     if settings.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins, allow_credentials=True,
                            allow_methods=["*"], allow_headers=["*"])
@@ -158,11 +163,16 @@ def create_app(settings: ServerConfig, tokenizer) -> FastAPI:
     async def engine_dead(request: Request, exc: EngineDeadError):
         return error_response(503, f"the engine is not available: {exc}", "ServiceUnavailableError")
 
-    def require_ready():
+    async def require_ready():
+        """With several API servers, /health may answer 200 from one that is connected while this one is
+        still finishing its handshake: a request waits a moment for it before the 503."""
+        if not state["ready"]:
+            try:
+                await asyncio.wait_for(ready.wait(), READY_WAIT_S)
+            except asyncio.TimeoutError:
+                raise APIError(503, "the model is still loading", "ServiceUnavailableError") from None
         if llm.dead:
             raise APIError(503, f"the engine is not available: {llm.dead}", "ServiceUnavailableError")
-        if not state["ready"]:
-            raise APIError(503, "the model is still loading", "ServiceUnavailableError")
 
     # ------------------------------------------------------------------------------ routes
     @app.get("/health")
@@ -200,12 +210,12 @@ def create_app(settings: ServerConfig, tokenizer) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        require_ready()
+        await require_ready()
         return await serving.completions(body, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        require_ready()
+        await require_ready()
         return await serving.chat(body, request)
 
     @app.post("/tokenize")

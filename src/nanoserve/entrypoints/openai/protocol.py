@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import MAX_STOP_STRINGS, SamplingParams
 
 
 class OpenAIModel(BaseModel):
@@ -20,18 +20,59 @@ INT64_MAX = 2**63 - 1
 # not an overflow deep in the server); token ids are also never negative.
 Int64 = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+MAX_MESSAGES = 4096  # a million empty messages (a 32 MiB body) held the event loop 5 s in validation
+MAX_TOOLS = 128  # OpenAI's limit
+MAX_PROMPT_TOKEN_IDS = 1 << 20  # in all the prompts of one request; 11M (32 MiB) took 10 s to validate
+MAX_PROMPTS = 4096  # prompts in one completions request
+
+
+def at_most(limit: int):
+    """A list refused by its length before its items are validated (pydantic's max_length checks after)."""
+    def check(value):
+        if isinstance(value, list) and len(value) > limit:
+            raise ValueError(f"at most {limit} items are accepted, got {len(value)}")
+        return value
+    return BeforeValidator(check)
 
 
 def check_token_prompt(value: Any) -> Any:
-    """A prompt given as token ids (a list, or a list of lists): every id in [0, 2^63). Checked before the
-    union of prompt forms, so the error names the id instead of every form the prompt was not."""
-    lists = value if isinstance(value, list) and value and all(isinstance(v, list) for v in value) else [value]
+    """At most MAX_PROMPTS prompts; token ids (a list, or a list of lists) at most MAX_PROMPT_TOKEN_IDS in all, each
+    in [0, 2^63). Checked before the prompt's form is validated, so the error names the id (min and max run
+    at C speed; a list that is not all numbers is left to the form's own error)."""
+    if isinstance(value, list) and len(value) > MAX_PROMPTS and value and isinstance(value[0], (str, list)):
+        raise ValueError(f"at most {MAX_PROMPTS} prompts are accepted in one request, got {len(value)}")
+    lists = value if isinstance(value, list) and value and isinstance(value[0], list) else [value]
+    if sum(len(ids) for ids in lists if isinstance(ids, list) and ids and not isinstance(ids[0], str)) \
+            > MAX_PROMPT_TOKEN_IDS:
+        raise ValueError(f"prompts of more than {MAX_PROMPT_TOKEN_IDS} token ids in all are not accepted")
     for ids in lists:
-        if isinstance(ids, list):
-            for t in ids:
-                if isinstance(t, int) and not isinstance(t, bool) and not 0 <= t <= INT64_MAX:
+        if isinstance(ids, list) and ids and not isinstance(ids[0], str):
+            try:
+                bounds = (min(ids), max(ids))
+            except TypeError:
+                continue
+            for t in bounds:
+                if isinstance(t, int) and not 0 <= t <= INT64_MAX:
                     raise ValueError(f"prompt token ids must be non-negative 64-bit integers, got {t}")
     return value
+
+
+def prompt_form(value: Any) -> Optional[str]:
+    """Which of the prompt's forms a value is, from its first item: the union is validated as that form
+    only (pydantic's smart union tried every form on every item: 10M ids took 9 s instead of 0.5)."""
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, list):
+        first = value[0] if value else ""
+        return "texts" if isinstance(first, str) else "id_lists" if isinstance(first, list) else "ids"
+    return None
+
+
+Prompt = Annotated[Union[Annotated[str, Tag("text")], Annotated[list[str], Tag("texts")],
+                         Annotated[list[TokenId], Tag("ids")], Annotated[list[list[TokenId]], Tag("id_lists")]],
+                   Discriminator(prompt_form, custom_error_type="prompt_form",
+                                 custom_error_message="prompt must be a string, a list of strings, a list of token "
+                                                      "ids or a list of lists of token ids")]
 
 
 class StreamOptions(OpenAIModel):
@@ -54,7 +95,7 @@ class SamplingFields(OpenAIModel):
     logit_bias: Optional[dict[str, float]] = None
     allowed_token_ids: Optional[list[TokenId]] = None
     bad_words: list[str] = Field(default_factory=list)
-    stop: Optional[Union[str, list[str]]] = None
+    stop: Annotated[Optional[Union[str, list[str]]], at_most(MAX_STOP_STRINGS)] = None
     stop_token_ids: list[TokenId] = Field(default_factory=list)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
@@ -119,7 +160,7 @@ class SamplingFields(OpenAIModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[str, list[str], list[TokenId], list[list[TokenId]]]
+    prompt: Prompt
     max_tokens: Optional[Int64] = 16
     logprobs: Optional[Int64] = None
     echo: bool = False
@@ -144,7 +185,7 @@ TEXT_PART_TYPES = ("text", "input_text")
 class ChatMessage(OpenAIModel):
     model_config = ConfigDict(extra="allow")
     role: str
-    content: Optional[Union[str, list[dict[str, Any]]]] = None
+    content: Annotated[Optional[Union[str, list[dict[str, Any]]]], at_most(MAX_MESSAGES)] = None
     reasoning_content: Optional[str] = None
     reasoning: Optional[str] = None
     name: Optional[str] = None
@@ -175,7 +216,7 @@ class ChatMessage(OpenAIModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], at_most(MAX_MESSAGES)]
     max_tokens: Optional[Int64] = None
     max_completion_tokens: Optional[Int64] = None
     logprobs: bool = False
@@ -183,7 +224,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: Optional[dict[str, Any]] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    tools: Optional[list[dict[str, Any]]] = None
+    tools: Annotated[Optional[list[dict[str, Any]]], at_most(MAX_TOOLS)] = None
 
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -196,7 +237,7 @@ class ChatCompletionRequest(SamplingFields):
 class TokenizeRequest(OpenAIModel):
     model: Optional[str] = None
     prompt: Optional[str] = None
-    messages: Optional[list[ChatMessage]] = None
+    messages: Annotated[Optional[list[ChatMessage]], at_most(MAX_MESSAGES)] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
