@@ -230,14 +230,20 @@ USER = {"role": "user", "content": "hi"}
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
      "messages.0.content"),
     ({"messages": [USER, {"role": "tool", "content": "42"}]}, "messages.1"),
-    ({"messages": [USER], "response_format": {"type": "json_object"}}, "response_format"),
-    ({"messages": [USER], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+    ({"messages": [USER], "response_format": {"type": "xml"}}, "response_format"),
+    ({"messages": [USER], "response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                                     "schema": {"type": "nope"}}}},
      "response_format"),
-    ({"messages": [USER], "guided_choice": ["yes", "no"]}, "guided_choice"),
+    ({"messages": [USER], "guided_regex": "(("}, "guided_regex"),
+    ({"messages": [USER], "structured_outputs": {"grammar": "root ::= missing"}}, "structured_outputs"),
+    ({"messages": [USER], "structured_outputs": {"choice": ["a"], "regex": "b"}}, "structured_outputs"),
+    ({"messages": [USER], "structured_outputs": {"shape": "round"}}, "structured_outputs"),
+    ({"messages": [USER], "guided_choice": ["yes"], "response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": [USER], "stop": [f"s{i}" for i in range(1000)]}, "stop"),
 ])
 def test_chat_requests_openai_refuses_are_400(server, body, param):
-    """What OpenAI answers with 400 is not accepted (and, for images or JSON schemas, silently ignored)."""
+    """What OpenAI answers with 400 is not accepted (and, for images, silently ignored); a structured-outputs
+    request the grammar engine cannot compile is a 400 naming its field."""
     error = error_of(httpx.post(f"{server.url}/v1/chat/completions", json={**body, "max_tokens": 2}, timeout=30), 400)
     assert error["param"] == param
 

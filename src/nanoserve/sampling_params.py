@@ -8,6 +8,8 @@ from typing import Optional
 
 import msgspec
 
+from nanoserve.structured import StructuredOutputs
+
 # Stop strings per request: OpenAI takes 4, vLLM any number; each one is matched against every step's
 # text, so the count is bounded (a 1,000-string list was accepted before).
 MAX_STOP_STRINGS = 64
@@ -15,7 +17,7 @@ MAX_STOP_STRINGS = 64
 
 def field_of_error(message: str) -> Optional[str]:
     """The field a validation message names: by convention its first word ("top_p must be ...")."""
-    first = message.split(" ", 1)[0]
+    first = message.split(" ", 1)[0].removesuffix(":")
     return first if first.isidentifier() else None
 
 
@@ -40,6 +42,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Strings banned from the output; the frontend turns them into `bad_words_token_ids`.
     bad_words: list[str] = []
     bad_words_token_ids: list[list[int]] = []
+    # A JSON schema, regex, choice or grammar the output must follow (nanoserve.structured).
+    structured_outputs: Optional[StructuredOutputs] = None
     # Frontend only: stop strings and detokenization.
     stop: list[str] = []
     include_stop_str_in_output: bool = False
@@ -89,6 +93,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             bad("bad_words", "must be a list of non-blank strings")
         if any(not seq or any(not isinstance(t, int) or t < 0 for t in seq) for seq in self.bad_words_token_ids):
             bad("bad_words_token_ids", "must be non-empty lists of token ids")
+        if self.structured_outputs is not None:
+            self.structured_outputs.kind()
         if self.n > 1 and self.greedy:
             bad("n", "must be 1 with greedy sampling (temperature 0): every sample would be the same")
         if self.max_tokens is not None and self.max_tokens < 1:

@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from nanoserve.structured import GrammarBackend
 from nanoserve.config import EngineConfig
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.model_runner import ModelRunner, kv_bytes_per_block, kv_cache_dtype, use_int8_activations
@@ -82,6 +83,7 @@ class EngineCore:
         self.runner = ModelRunner(model, num_blocks, cache.block_size, self.backend, config.seed,
                                   logprobs_mode=config.logprobs_mode, kv_dtype=kv_dtype, int8_activations=int8)
         self.capacity_tokens = num_blocks * cache.block_size
+        self.grammars: Optional[GrammarBackend] = None  # built with the first structured-outputs request
         widened = self.runner.widened_bytes
         self.compute = ComputeInfo(self.backend.name, self.backend.isa, describe_weights(model),
                                    "int8" if int8 else "float32", str(kv_dtype).replace("torch.", ""), num_threads)
@@ -95,15 +97,27 @@ class EngineCore:
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.model_config.eos_token_ids
 
-    def add_request(self, request: EngineCoreRequest, max_tokens: Optional[int] = None) -> None:
+    def add_request(self, request: EngineCoreRequest, max_tokens: Optional[int] = None, matcher=None) -> None:
         """Queues a request; raises `PromptTooLongError` when its prompt cannot fit and `ValueError`
-        for parameters this model cannot honour. `max_tokens`: the result of an earlier
-        `check_request` (the engine-core process checks on its IO thread), which skips the check."""
+        for parameters this model cannot honour. `max_tokens` and `matcher`: the results of an earlier
+        `check_request` and `grammar_matcher` (the engine-core process runs both on its IO thread, so
+        grammars compile off the engine loop), which skips them here."""
         if max_tokens is None:
             max_tokens = self.check_request(request)
-        self.scheduler.add_request(Request(request.request_id, request.prompt_token_ids, request.sampling_params,
-                                           max_tokens, self.eos_token_ids, request.arrival_time,
-                                           request.parent_id))
+            matcher = self.grammar_matcher(request)
+        req = Request(request.request_id, request.prompt_token_ids, request.sampling_params, max_tokens,
+                      self.eos_token_ids, request.arrival_time, request.parent_id)
+        req.matcher = matcher
+        self.scheduler.add_request(req)
+
+    def grammar_matcher(self, request: EngineCoreRequest):
+        """The request's grammar matcher (None without structured outputs); ValueError for a bad grammar."""
+        spec = request.sampling_params.structured_outputs
+        if spec is None:
+            return None
+        if self.grammars is None:
+            self.grammars = GrammarBackend(self.config.model, self.model_config.vocab_size)
+        return self.grammars.matcher(spec)
 
     def check_request(self, request: EngineCoreRequest) -> int:
         """Validates a request against the model and the pool without changing anything; returns its

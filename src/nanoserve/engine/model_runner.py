@@ -11,7 +11,7 @@ from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.kernels.backend import TorchBackend
 from nanoserve.model.layers import AttentionMetadata, KVCache, Linear, PrefillSeq
 from nanoserve.model.llama import LlamaForCausalLM
-from nanoserve.sample.metadata import SamplingMetadata, allowed_token_mask
+from nanoserve.sample.metadata import GrammarMasks, SamplingMetadata, allowed_token_mask
 from nanoserve.protocol import TokenLogprobs
 from nanoserve.sample.penalties import PenaltyState
 from nanoserve.sample.sampler import Sampler
@@ -83,6 +83,7 @@ class ModelRunner:
         self.sampler = Sampler(backend, torch.Generator().manual_seed(seed))
         self.penalties = PenaltyState(cfg.vocab_size)
         self.allowed_masks: dict[str, torch.Tensor] = {}  # request id -> (V,) mask, built once
+        self.grammar_masks: GrammarMasks | None = None  # with the first structured-outputs row
 
     def run_model(self, input_ids: torch.Tensor, meta: AttentionMetadata, logits_rows: torch.Tensor) -> torch.Tensor:
         """The model's forward on this runner's KV cache."""
@@ -184,6 +185,12 @@ class ModelRunner:
         penalty_rows = {row: self.penalties.row(r.request_id, r.prompt_token_ids, r.output_token_ids)
                         for row, r in enumerate(reqs) if r.params.has_penalties}
         allowed = {row: self._allowed_mask(r) for row, r in enumerate(reqs) if r.params.allowed_token_ids}
+        grammar_rows = [row for row, r in enumerate(reqs) if r.matcher is not None]
+        if grammar_rows:
+            if self.grammar_masks is None:
+                self.grammar_masks = GrammarMasks(self.config.vocab_size)
+            for row, mask in zip(grammar_rows, self.grammar_masks([reqs[row].matcher for row in grammar_rows])):
+                allowed[row] = mask & allowed[row] if row in allowed else mask
         want = [row for row, r in enumerate(reqs) if r.params.logprobs is not None]
         md = SamplingMetadata.build([r.params for r in reqs], self.config.vocab_size,
                                     eos_token_ids=self.config.eos_token_ids, penalty_state_rows=penalty_rows,

@@ -63,7 +63,8 @@ class SamplingMetadata:
               allowed_masks: Optional[dict[int, torch.Tensor]] = None) -> "SamplingMetadata":
         """`penalty_state_rows`: batch row -> `PenaltyState` row, for the rows with penalties.
         `output_token_ids`: each row's tokens so far (for bad words). `allowed_masks`: batch row ->
-        a (V,) bool mask of its allowed tokens, kept by the caller across steps; built here if absent."""
+        a (V,) bool mask of its allowed tokens (allowed_token_ids, kept by the caller across steps, and
+        grammar masks); built here from allowed_token_ids if absent."""
         greedy = [p.greedy for p in params]
         md = cls(None, None, all(greedy), vocab_size)
         if output_token_ids is not None:
@@ -93,7 +94,7 @@ class SamplingMetadata:
 
     def _build_processors(self, params, vocab_size, num_output_tokens, eos_token_ids, penalty_rows,
                           output_token_ids, allowed_masks) -> None:
-        allowed = [i for i, p in enumerate(params) if p.allowed_token_ids]
+        allowed = sorted({i for i, p in enumerate(params) if p.allowed_token_ids} | set(allowed_masks))
         if allowed:
             self.allowed_rows = small_tensor(allowed, torch.int64)
             self.allowed_mask = torch.stack([allowed_masks[i] if i in allowed_masks
@@ -133,6 +134,25 @@ def allowed_token_mask(params: SamplingParams, vocab_size: int) -> torch.Tensor:
     mask = torch.zeros(vocab_size, dtype=torch.bool)
     mask[torch.tensor(params.allowed_token_ids, dtype=torch.long)] = True
     return mask
+
+
+class GrammarMasks:
+    """Allowed-token masks of structured-outputs rows, from their llguidance matchers: filled in parallel
+    (llguidance's executor, off the GIL) as packed bits, then unpacked to (V,) bool rows."""
+
+    def __init__(self, vocab_size: int):
+        import llguidance
+
+        self.vocab_size, self.executor = vocab_size, llguidance.LLExecutor()
+        self.shifts = torch.arange(32, dtype=torch.int32)
+
+    def __call__(self, matchers: list) -> torch.Tensor:
+        from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask_par
+
+        bitmask = allocate_token_bitmask(len(matchers), self.vocab_size)
+        fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+        bits = (bitmask.unsqueeze(-1) >> self.shifts) & 1
+        return bits.view(len(matchers), -1)[:, :self.vocab_size].bool()
 
 
 def banned_by_bad_words(bad_words: list[list[int]], output_ids: list[int]) -> set[int]:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Optional, Union
 
+import msgspec
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from nanoserve.sampling_params import MAX_STOP_STRINGS, SamplingParams
+from nanoserve.structured import StructuredOutputs
 
 
 class OpenAIModel(BaseModel):
@@ -107,28 +109,52 @@ class SamplingFields(OpenAIModel):
     user: Optional[str] = None
     return_token_ids: bool = False
     prompt_logprobs: Optional[Int64] = None
-    # Structured outputs are not implemented yet: a request for them is refused, not answered in prose.
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
     response_format: Optional[dict[str, Any]] = None
     structured_outputs: Optional[dict[str, Any]] = None
     guided_json: Optional[Any] = None
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
+    guided_whitespace_pattern: Optional[str] = None
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_format_only(cls, value):
-        if value is not None and value.get("type", "text") != "text":
-            raise ValueError(f"response_format of type {value.get('type')!r} is not supported yet (structured "
-                             "outputs are not implemented); only 'text'")
-        return value
-
-    @field_validator("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
-    @classmethod
-    def _no_structured_outputs(cls, value, info):
-        if value is not None:
-            raise ValueError(f"{info.field_name} is not supported yet (structured outputs are not implemented)")
-        return value
+    def structured_spec(self) -> Optional[StructuredOutputs]:
+        """The one structured-outputs request among the fields, checked by the grammar engine (a ValueError
+        names the field: an invalid schema, regex or grammar, or two fields at once)."""
+        given = {}
+        fmt = self.response_format
+        if fmt is not None and fmt.get("type", "text") != "text":
+            kind = fmt.get("type")
+            if kind == "json_object":
+                given["response_format"] = StructuredOutputs(json_object=True)
+            elif kind == "json_schema":
+                schema = (fmt.get("json_schema") or {}).get("schema")
+                if not isinstance(schema, dict):
+                    raise ValueError("response_format: json_schema.schema must be a JSON schema object")
+                given["response_format"] = StructuredOutputs(json=schema)
+            else:
+                raise ValueError(f"response_format: type must be text, json_object or json_schema, got {kind!r}")
+        if self.structured_outputs is not None:
+            try:
+                given["structured_outputs"] = msgspec.convert(self.structured_outputs, StructuredOutputs)
+            except msgspec.ValidationError as exc:
+                raise ValueError(f"structured_outputs: {exc}") from None
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                given[name] = StructuredOutputs(**{key: value}, whitespace_pattern=self.guided_whitespace_pattern)
+        if len(given) > 1:
+            raise ValueError(f"{next(iter(given))}: only one structured-outputs field at a time, got "
+                             f"{', '.join(given)}")
+        if not given:
+            return None
+        (name, spec), = given.items()
+        try:
+            spec.check()
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+        return spec
 
     def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
                         default_max_tokens: Optional[int]) -> SamplingParams:
@@ -155,7 +181,7 @@ class SamplingFields(OpenAIModel):
             max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
             min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             stop=stop, include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens,
+            skip_special_tokens=self.skip_special_tokens, structured_outputs=self.structured_spec(),
             spaces_between_special_tokens=self.spaces_between_special_tokens)
 
 

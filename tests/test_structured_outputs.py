@@ -1,0 +1,155 @@
+"""Structured outputs on SmolLM2 (offline engine and the real server): JSON schemas, regex, choice and
+grammars always hold, greedy and sampled, streamed and not; an unconstrained neighbour is unchanged."""
+import json
+import re
+
+import httpx
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.structured import StructuredOutputs
+from server_process import ServerProcess
+
+pytestmark = pytest.mark.model
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+SCHEMAS = [
+    PERSON,
+    {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "integer"}, "minItems": 1,
+                                                "maxItems": 3}}, "required": ["items"], "additionalProperties": False},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]},
+    {"type": "object", "properties": {"x": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}, "required": ["x"]},
+    {"$defs": {"p": PERSON}, "type": "object", "properties": {"owner": {"$ref": "#/$defs/p"}}, "required": ["owner"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}},
+     "required": ["code"], "additionalProperties": False},
+    {"type": "object", "properties": {"day": {"type": "string", "format": "date"}}, "required": ["day"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "score": {"type": "number", "minimum": 0}},
+     "required": ["ok", "score"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "string", "maxLength": 8}, "minItems": 2, "maxItems": 2},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+                                      "meta": {"type": "object", "properties": {"n": {"type": "integer"}},
+                                               "required": ["n"], "additionalProperties": False}},
+     "required": ["tags", "meta"], "additionalProperties": False},
+]
+PROMPT = "Answer in JSON. Describe a person you like:"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_model_len=512)
+
+
+def test_json_schemas_hold_greedy_and_sampled(llm):
+    params = []
+    for schema in SCHEMAS:
+        params.append(SamplingParams(temperature=0, max_tokens=120, structured_outputs=StructuredOutputs(json=schema)))
+        for seed in (1, 2):
+            params.append(SamplingParams(temperature=1.0, seed=seed, max_tokens=120,
+                                         structured_outputs=StructuredOutputs(json=schema)))
+    outs = llm.generate([PROMPT] * len(params), params, use_tqdm=False)
+    for out, p in zip(outs, params):
+        o = out.outputs[0]
+        if o.finish_reason == "length":  # cut by max_tokens: OpenAI answers length, the JSON is unfinished
+            continue
+        assert o.finish_reason == "stop", o
+        jsonschema.validate(json.loads(o.text), p.structured_outputs.json)
+    assert sum(out.outputs[0].finish_reason == "stop" for out in outs) >= len(outs) * 0.8
+
+
+def test_regex_choice_and_grammar(llm):
+    specs = [StructuredOutputs(regex=r"[0-9]{3}-[a-z]{2}"), StructuredOutputs(choice=["yes", "no", "maybe"]),
+             StructuredOutputs(grammar='root ::= "cat" | "dog" | "bird" " " [0-9]'),
+             StructuredOutputs(grammar='start: "x=" NUM\nNUM: /[0-9]{1,3}/'), StructuredOutputs(json_object=True)]
+    for temperature in (0.0, 1.0):
+        outs = llm.generate(["Pick one:"] * len(specs), [SamplingParams(temperature=temperature, seed=3, max_tokens=40,
+                                                                        structured_outputs=s) for s in specs],
+                            use_tqdm=False)
+        texts = [o.outputs[0].text for o in outs]
+        assert [o.outputs[0].finish_reason for o in outs[:4]] == ["stop"] * 4
+        assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", texts[0])
+        assert texts[1] in ("yes", "no", "maybe")
+        assert re.fullmatch(r"cat|dog|bird [0-9]", texts[2])
+        assert re.fullmatch(r"x=[0-9]{1,3}", texts[3])
+        if outs[4].outputs[0].finish_reason == "stop":  # else cut by max_tokens
+            assert isinstance(json.loads(texts[4]), dict)
+        else:
+            assert texts[4].startswith("{")
+
+
+def test_a_constrained_neighbour_leaves_other_rows_unchanged(llm):
+    plain = SamplingParams(temperature=0.8, seed=11, max_tokens=24)
+    alone = llm.generate(["Tell me about cats."], [plain], use_tqdm=False)[0].outputs[0].text
+    mixed = llm.generate(["Tell me about cats.", PROMPT],
+                         [plain, SamplingParams(temperature=0, max_tokens=40,
+                                                structured_outputs=StructuredOutputs(json=PERSON))],
+                         use_tqdm=False)
+    assert mixed[0].outputs[0].text == alone
+
+
+def test_seeded_structured_output_is_the_same_alone_and_batched(llm):
+    p = SamplingParams(temperature=1.0, seed=5, max_tokens=80, structured_outputs=StructuredOutputs(json=PERSON))
+    alone = llm.generate([PROMPT], [p], use_tqdm=False)[0].outputs[0].text
+    batch = llm.generate([PROMPT, "Hello", PROMPT], [p, SamplingParams(temperature=0.7, seed=1, max_tokens=30), p],
+                         use_tqdm=False)
+    assert batch[0].outputs[0].text == alone == batch[2].outputs[0].text
+
+
+def test_invalid_specs_are_value_errors(llm):
+    with pytest.raises(ValueError, match="exactly one"):
+        SamplingParams(structured_outputs=StructuredOutputs(regex="a", choice=["b"]))
+    with pytest.raises(ValueError, match="regex"):
+        llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputs(regex="((")), use_tqdm=False)
+
+
+class Person(pydantic.BaseModel):
+    name: str
+    age: int
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc = ServerProcess("--max-model-len", "512")
+    yield proc
+    proc.stop()
+
+
+@pytest.mark.server
+def test_server_response_format_streamed_and_sdk_parse(server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "Give me a person as JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    whole = client.chat.completions.create(model=model, messages=messages, max_tokens=100, temperature=0,
+                                           response_format=fmt).choices[0]
+    jsonschema.validate(json.loads(whole.message.content), PERSON)
+    assert whole.finish_reason == "stop"
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=model, messages=messages, max_tokens=100, temperature=0, response_format=fmt, stream=True) if c.choices)
+    assert streamed == whole.message.content
+    parsed = client.chat.completions.parse(model=model, messages=messages, max_tokens=100, temperature=0.7, seed=2,
+                                           response_format=Person).choices[0].message.parsed
+    assert isinstance(parsed, Person)
+    obj = client.chat.completions.create(model=model, messages=messages, max_tokens=100, temperature=0,
+                                         response_format={"type": "json_object"}).choices[0].message.content
+    assert isinstance(json.loads(obj), dict)
+    for extra, check in (({"structured_outputs": {"choice": ["left", "right"]}}, lambda t: t in ("left", "right")),
+                         ({"guided_regex": "[a-c]{4}"}, lambda t: re.fullmatch("[a-c]{4}", t)),
+                         ({"guided_json": PERSON}, lambda t: jsonschema.validate(json.loads(t), PERSON) is None)):
+        text = client.completions.create(model=model, prompt="Choose:", max_tokens=60, temperature=0,
+                                         extra_body=extra).choices[0].text
+        assert check(text), (extra, text)
+
+
+@pytest.mark.server
+def test_server_length_cut_is_length(server):
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "A person as JSON."}], "max_tokens": 3, "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
