@@ -11,6 +11,7 @@ import pytest
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.structured import StructuredOutputs
+from backends import KERNELS_ON, requires_kernels
 from server_process import ServerProcess
 
 pytestmark = pytest.mark.model
@@ -83,6 +84,7 @@ def test_regex_choice_and_grammar(llm):
             assert texts[4].startswith("{")
 
 
+@requires_kernels  # batch invariance is a C-kernel property: PyTorch's float GEMMs round by batch size
 def test_a_constrained_neighbour_leaves_other_rows_unchanged(llm):
     plain = SamplingParams(temperature=0.8, seed=11, max_tokens=24)
     alone = llm.generate(["Tell me about cats."], [plain], use_tqdm=False)[0].outputs[0].text
@@ -93,6 +95,7 @@ def test_a_constrained_neighbour_leaves_other_rows_unchanged(llm):
     assert mixed[0].outputs[0].text == alone
 
 
+@requires_kernels  # batch invariance is a C-kernel property: PyTorch's float GEMMs round by batch size
 def test_seeded_structured_output_is_the_same_alone_and_batched(llm):
     p = SamplingParams(temperature=1.0, seed=5, max_tokens=80, structured_outputs=StructuredOutputs(json=PERSON))
     alone = llm.generate([PROMPT], [p], use_tqdm=False)[0].outputs[0].text
@@ -153,3 +156,42 @@ def test_server_length_cut_is_length(server):
         "messages": [{"role": "user", "content": "A person as JSON."}], "max_tokens": 3, "temperature": 0,
         "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}})
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_constraint_starts_after_start_after_text(llm):
+    """What a reasoning parser's end tag does: the text up to it is free, the rest follows the schema.
+    A word of the free greedy output stands in for `</think>` (SmolLM2 does not think)."""
+    prompt = "Once upon a time, there was a"
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
+    head = llm.get_tokenizer().decode(free.token_ids[:4])  # whole tokens: the constraint starts at a boundary
+    assert free.text.startswith(head) and head.strip()
+    spec = StructuredOutputs(json=PERSON, start_after=head)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=120, structured_outputs=spec),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text.startswith(head) and out.finish_reason == "stop"
+    jsonschema.validate(json.loads(out.text[len(head):]), PERSON)
+
+
+def test_min_tokens_and_preemption_keep_the_grammar(llm):
+    """min_tokens does not hold a complete grammar open; a request preempted and recomputed (a pool of
+    a few blocks) keeps its matcher, and its output still validates and equals the unpreempted one."""
+    spec = StructuredOutputs(json=PERSON)
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=120, min_tokens=100, structured_outputs=spec),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop"
+    jsonschema.validate(json.loads(out.text), PERSON)
+    small = LLM(max_model_len=256, num_kv_blocks=6, block_size=16)
+    story = {"type": "object", "properties": {"story": {"type": "string", "minLength": 120, "maxLength": 160}},
+             "required": ["story"], "additionalProperties": False}
+    params = [SamplingParams(temperature=0.8, seed=s, max_tokens=100, structured_outputs=StructuredOutputs(json=story))
+              for s in range(4)]
+    batched = small.generate([PROMPT] * 4, params, use_tqdm=False)
+    assert small.engine.scheduler.num_preemptions > 0
+    for p, o in zip(params, batched):
+        alone = small.generate([PROMPT], p, use_tqdm=False)[0].outputs[0]
+        if KERNELS_ON:  # batch invariance is a C-kernel property (PyTorch's GEMMs round by batch size)
+            assert o.outputs[0].text == alone.text
+        if o.outputs[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(o.outputs[0].text), story)
+        if alone.finish_reason == "stop":
+            jsonschema.validate(json.loads(alone.text), story)

@@ -105,8 +105,8 @@ def main(argv=None) -> None:
     chat.add_argument("--system", default=None)
     _engine_args(chat)
     _sampling_args(chat)
-    bench = sub.add_parser("bench", help="benchmarks: offline, sampler, detokenize, serve, kernels")
-    bench.add_argument("which", choices=["offline", "sampler", "detokenize", "serve", "kernels"])
+    bench = sub.add_parser("bench", help="benchmarks: offline, sampler, detokenize, serve, kernels, grammar")
+    bench.add_argument("which", choices=["offline", "sampler", "detokenize", "serve", "kernels", "grammar"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
 
@@ -125,6 +125,9 @@ def main(argv=None) -> None:
         elif args.command == "bench" and args.which == "serve":
             from nanoserve.bench import serve as bench_serve
             bench_serve.main(args.rest)
+        elif args.command == "bench" and args.which == "grammar":
+            from nanoserve.bench import grammar
+            grammar.main(args.rest)
         elif args.command == "bench" and args.which == "kernels":
             from nanoserve.bench import kernels
             kernels.main(args.rest)

@@ -22,9 +22,14 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, forbid
     json_object: bool = False
     disable_any_whitespace: bool = False
     whitespace_pattern: Optional[str] = None
+    # The output is free text until this text has been generated (a reasoning parser's end tag): the
+    # constraint starts after it, so that the thinking stays free.
+    start_after: Optional[str] = None
 
     def kind(self) -> str:
         given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if self.start_after is not None and not (isinstance(self.start_after, str) and self.start_after):
+            raise ValueError("structured_outputs.start_after must be a non-empty string")
         if len(given) != 1:
             raise ValueError(f"structured outputs take exactly one of {', '.join(STRUCTURED_KINDS)}; got "
                              f"{', '.join(given) or 'none'}")
@@ -101,11 +106,14 @@ class GrammarBackend:
                                                                n_vocab=self.vocab_size)
             return self._tokenizer
 
+    def state(self, spec: StructuredOutputs) -> "GrammarState":
+        return GrammarState(self.matcher(spec), self.tokenizer(), spec.start_after)
+
     def matcher(self, spec: StructuredOutputs):
         """A fresh matcher for one request; ValueError when the grammar does not compile."""
         import llguidance
 
-        key = msgspec.json.encode(spec)
+        key = msgspec.json.encode(msgspec.structs.replace(spec, start_after=None))
         grammar = self._grammars.get(key)
         if grammar is None:
             grammar = spec.check()
@@ -115,3 +123,29 @@ class GrammarBackend:
         if matcher.is_error():
             raise ValueError(f"{spec.kind()}: {matcher.get_error()}")
         return matcher
+
+
+class GrammarState:
+    """One request's grammar: its matcher, engaged from the first token or once `start_after` has been
+    generated; it advances with every output token after that (and is kept across preemption, like them)."""
+
+    def __init__(self, matcher, tokenizer, start_after: Optional[str] = None):
+        self.matcher, self.tokenizer = matcher, tokenizer
+        self.waiting_for = start_after.encode() if start_after else None
+        self.tail = b""
+
+    @property
+    def active(self) -> bool:
+        return self.waiting_for is None
+
+    def accept(self, token: int) -> None:
+        if self.waiting_for is None:
+            self.matcher.consume_token(token)
+            return
+        self.tail = (self.tail + self.tokenizer.decode_bytes([token]))[-(len(self.waiting_for) + 64):]
+        if self.waiting_for in self.tail:
+            self.waiting_for = None
+
+    @property
+    def complete(self) -> bool:
+        return self.waiting_for is None and self.matcher.is_stopped()

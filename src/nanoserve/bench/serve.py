@@ -38,11 +38,19 @@ def make_prompt(rng: random.Random, input_len: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(input_len))
 
 
+def bench_schema(index: Optional[int]) -> dict:
+    """The JSON schema of the structured requests: a list of short strings longer than any output (so that
+    max_tokens ends it, as it ends the others). `index`: a variant of its own (no compiled-grammar reuse)."""
+    return {"type": "array", "items": {"type": "string", "maxLength": 12 + (index or 0)}, "minItems": 1000}
+
+
 async def one_request(http: aiohttp.ClientSession, url: str, model: Optional[str], prompt: str, output_len: int,
-                      ban: dict) -> Result:
+                      ban: dict, schema: Optional[dict] = None) -> Result:
     body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True,
             "ignore_eos": True, "min_tokens": output_len, "logit_bias": ban,
             "stream_options": {"include_usage": True}}
+    if schema is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}
     if model:
         body["model"] = model
     start = time.perf_counter()
@@ -93,15 +101,19 @@ async def engine_idle_seconds(http: aiohttp.ClientSession, url: str) -> Optional
 
 
 async def run(url: str, model: Optional[str], concurrency: int, num_prompts: int, input_len: int, output_len: int,
-              ban: dict, seed: int = 0) -> dict:
+              ban: dict, seed: int = 0, schema_share: float = 0.0, distinct_schemas: bool = False) -> dict:
+    """`schema_share`: the fraction of requests (spread evenly) sent with a JSON schema (`bench_schema`)."""
     rng = random.Random(seed)
     prompts = [make_prompt(rng, input_len) for _ in range(num_prompts)]
+    structured = [int((i + 1) * schema_share) > int(i * schema_share) for i in range(num_prompts)]
+    schemas = [bench_schema(i + seed * num_prompts if distinct_schemas else None) if s else None
+               for i, s in enumerate(structured)]
     semaphore = asyncio.Semaphore(concurrency)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
                                      connector=aiohttp.TCPConnector(limit=concurrency + 8, force_close=True)) as http:
-        async def limited(p):
+        async def limited(p, schema):
             async with semaphore:
-                return await one_request(http, url, model, p, output_len, ban)
+                return await one_request(http, url, model, p, output_len, ban, schema)
 
         idle_before = await engine_idle_seconds(http, url)
         if idle_before is not None:
@@ -115,10 +127,11 @@ async def run(url: str, model: Optional[str], concurrency: int, num_prompts: int
                     idle_before = latest
                     break
         start = time.perf_counter()
-        results = await asyncio.gather(*(limited(p) for p in prompts))
+        results = await asyncio.gather(*(limited(p, s) for p, s in zip(prompts, schemas)))
         wall = time.perf_counter() - start
         idle_after = await engine_idle_seconds(http, url)
     good = [r for r in results if r.ok]
+    structured_ttfts = [r.ttft for r, s in zip(results, schemas) if r.ok and s is not None]
     gaps = [g for r in good for g in r.gaps]
     ttfts = [r.ttft for r in good]
     report = {"concurrency": concurrency, "requests": len(results), "failed": len(results) - len(good),
@@ -126,6 +139,9 @@ async def run(url: str, model: Optional[str], concurrency: int, num_prompts: int
               "ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99),
               "itl_p50": percentile(gaps, 50), "itl_p99": percentile(gaps, 99),
               "errors": sorted({r.error for r in results if not r.ok})[:3]}
+    if structured_ttfts:
+        report["structured_ttft_p50"] = percentile(structured_ttfts, 50)
+        report["structured_ttft_p99"] = percentile(structured_ttfts, 99)
     if idle_before is not None and idle_after is not None:
         report["engine_idle_share"] = (idle_after - idle_before) / wall
     return report
@@ -142,6 +158,10 @@ def main(argv=None) -> None:
     ap.add_argument("--ban-token-ids", default="0,2", help="EOS ids banned by logit_bias, for servers "
                     "without ignore_eos (SmolLM2: 0 and 2)")
     ap.add_argument("--label", default="server")
+    ap.add_argument("--json-schema-share", type=float, default=0.0,
+                    help="fraction of requests sent with response_format json_schema (0 to 1)")
+    ap.add_argument("--distinct-schemas", action="store_true",
+                    help="each structured request a schema of its own (its grammar compiled first-seen)")
     ap.add_argument("--json", action="store_true", help="print one JSON line per level")
     args = ap.parse_args(argv)
     ban = {t: -100 for t in args.ban_token_ids.split(",") if t}
@@ -150,7 +170,8 @@ def main(argv=None) -> None:
               "ITL p99 (ms) | engine idle |\n|---|---|---|---|---|---|---|---|---|")
     for level in [int(c) for c in args.concurrency.split(",")]:
         report = asyncio.run(run(args.url.rstrip("/"), args.model, level, args.num_prompts or 2 * level,
-                                 args.input_len, args.output_len, ban))
+                                 args.input_len, args.output_len, ban, schema_share=args.json_schema_share,
+                                 distinct_schemas=args.distinct_schemas))
         report["label"] = args.label
         if args.json:
             print(json.dumps(report), flush=True)

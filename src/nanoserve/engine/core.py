@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from nanoserve.structured import GrammarBackend
+from nanoserve.structured import GrammarBackend, GrammarState
 from nanoserve.config import EngineConfig
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.model_runner import ModelRunner, kv_bytes_per_block, kv_cache_dtype, use_int8_activations
@@ -97,27 +97,27 @@ class EngineCore:
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.model_config.eos_token_ids
 
-    def add_request(self, request: EngineCoreRequest, max_tokens: Optional[int] = None, matcher=None) -> None:
+    def add_request(self, request: EngineCoreRequest, max_tokens: Optional[int] = None, grammar=None) -> None:
         """Queues a request; raises `PromptTooLongError` when its prompt cannot fit and `ValueError`
-        for parameters this model cannot honour. `max_tokens` and `matcher`: the results of an earlier
-        `check_request` and `grammar_matcher` (the engine-core process runs both on its IO thread, so
+        for parameters this model cannot honour. `max_tokens` and `grammar`: the results of an earlier
+        `check_request` and `grammar_state` (the engine-core process runs both on its IO thread, so
         grammars compile off the engine loop), which skips them here."""
         if max_tokens is None:
             max_tokens = self.check_request(request)
-            matcher = self.grammar_matcher(request)
+            grammar = self.grammar_state(request)
         req = Request(request.request_id, request.prompt_token_ids, request.sampling_params, max_tokens,
                       self.eos_token_ids, request.arrival_time, request.parent_id)
-        req.matcher = matcher
+        req.grammar = grammar
         self.scheduler.add_request(req)
 
-    def grammar_matcher(self, request: EngineCoreRequest):
-        """The request's grammar matcher (None without structured outputs); ValueError for a bad grammar."""
+    def grammar_state(self, request: EngineCoreRequest) -> Optional[GrammarState]:
+        """The request's grammar (None without structured outputs); ValueError for a bad grammar."""
         spec = request.sampling_params.structured_outputs
         if spec is None:
             return None
         if self.grammars is None:
             self.grammars = GrammarBackend(self.config.model, self.model_config.vocab_size)
-        return self.grammars.matcher(spec)
+        return self.grammars.state(spec)
 
     def check_request(self, request: EngineCoreRequest) -> int:
         """Validates a request against the model and the pool without changing anything; returns its

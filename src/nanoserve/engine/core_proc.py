@@ -119,13 +119,13 @@ class EngineCoreProc:
                     request.request_id, 503, f"the server is overloaded: {self.max_waiting} requests are "
                     "already waiting; retry later")])
             max_tokens = self.engine.check_request(request)
-            matcher = self.engine.grammar_matcher(request)  # compiled here, off the engine loop
+            grammar = self.engine.grammar_state(request)  # compiled here, off the engine loop
         except PromptTooLongError as exc:
             return EngineCoreOutputs(rejected=[Rejection(request.request_id, 400, str(exc), "prompt")])
         except ValueError as exc:
             return EngineCoreOutputs(rejected=[Rejection(request.request_id, 400, str(exc), field_of_error(str(exc)))])
         self.owner[request.request_id] = identity
-        self.inputs.put((request, max_tokens, matcher))  # checked: the loop only queues it
+        self.inputs.put((request, max_tokens, grammar))  # checked: the loop only queues it
         return EngineCoreOutputs(accepted=[request.request_id])
 
     def _post(self, identity: bytes, message: EngineCoreOutputs) -> None:
@@ -179,7 +179,7 @@ class EngineCoreProc:
             changed |= self._apply(item)
 
     def _apply(self, item) -> bool:
-        if isinstance(item, tuple):  # (request, max_tokens, matcher), checked on the IO thread
+        if isinstance(item, tuple):  # (request, max_tokens, grammar), checked on the IO thread
             self.engine.add_request(*item)
             return True
         for request_id in item.request_ids:

@@ -185,16 +185,17 @@ class ModelRunner:
         penalty_rows = {row: self.penalties.row(r.request_id, r.prompt_token_ids, r.output_token_ids)
                         for row, r in enumerate(reqs) if r.params.has_penalties}
         allowed = {row: self._allowed_mask(r) for row, r in enumerate(reqs) if r.params.allowed_token_ids}
-        grammar_rows = [row for row, r in enumerate(reqs) if r.matcher is not None]
+        grammar_rows = [row for row, r in enumerate(reqs) if r.grammar is not None and r.grammar.active]
         if grammar_rows:
             if self.grammar_masks is None:
                 self.grammar_masks = GrammarMasks(self.config.vocab_size)
-            for row, mask in zip(grammar_rows, self.grammar_masks([reqs[row].matcher for row in grammar_rows])):
+            for row, mask in zip(grammar_rows, self.grammar_masks([reqs[row].grammar.matcher for row in grammar_rows])):
                 allowed[row] = mask & allowed[row] if row in allowed else mask
         want = [row for row, r in enumerate(reqs) if r.params.logprobs is not None]
         md = SamplingMetadata.build([r.params for r in reqs], self.config.vocab_size,
                                     eos_token_ids=self.config.eos_token_ids, penalty_state_rows=penalty_rows,
-                                    output_token_ids=[r.output_token_ids for r in reqs], allowed_masks=allowed)
+                                    output_token_ids=[r.output_token_ids for r in reqs], allowed_masks=allowed,
+                                    grammar_rows=frozenset(grammar_rows))
         md.need_processed = bool(want) and self.logprobs_mode == "processed"
         tokens, processed = self.sampler.sample(logits, md, self.penalties)
         if md.penalty_rows is not None:

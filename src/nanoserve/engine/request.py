@@ -47,9 +47,8 @@ class Request:
         self.prefill_leader: Optional[Request] = None
         # Logprobs of prompt tokens 1.. as they are computed (kept across preemption).
         self.prompt_logprobs: list[TokenLogprobs] = []
-        # The llguidance matcher of a structured-outputs request: it advances with every output token (kept
-        # across preemption, like the tokens), and its mask is applied before any other processor.
-        self.matcher = None
+        # A structured-outputs request's GrammarState: its mask is applied before any other processor.
+        self.grammar = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -76,8 +75,8 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
         self.output_token_ids.append(token_id)
-        if self.matcher is not None:
-            self.matcher.consume_token(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
     def check_stop(self) -> bool:
         """After a new token: decide whether the request is done, and why."""
@@ -87,7 +86,7 @@ class Request:
             self.finish_reason = FinishReason.STOP
         elif past_min and token in self.stop_token_ids:
             self.finish_reason, self.stop_reason = FinishReason.STOP, token
-        elif self.matcher is not None and self.matcher.is_stopped():  # the grammar is complete
+        elif self.grammar is not None and self.grammar.complete:
             self.finish_reason = FinishReason.STOP
         elif self.num_output_tokens >= self.max_tokens:
             self.finish_reason = FinishReason.LENGTH

@@ -60,11 +60,13 @@ class SamplingMetadata:
               num_output_tokens: Optional[list[int]] = None, eos_token_ids: tuple[int, ...] = (),
               penalty_state_rows: Optional[dict[int, int]] = None,
               output_token_ids: Optional[list[list[int]]] = None,
-              allowed_masks: Optional[dict[int, torch.Tensor]] = None) -> "SamplingMetadata":
+              allowed_masks: Optional[dict[int, torch.Tensor]] = None,
+              grammar_rows: frozenset[int] = frozenset()) -> "SamplingMetadata":
         """`penalty_state_rows`: batch row -> `PenaltyState` row, for the rows with penalties.
         `output_token_ids`: each row's tokens so far (for bad words). `allowed_masks`: batch row ->
         a (V,) bool mask of its allowed tokens (allowed_token_ids, kept by the caller across steps, and
-        grammar masks); built here from allowed_token_ids if absent."""
+        grammar masks); built here from allowed_token_ids if absent. `grammar_rows`: rows whose grammar
+        decides where they end, so min_tokens does not ban their EOS (a complete grammar allows nothing else)."""
         greedy = [p.greedy for p in params]
         md = cls(None, None, all(greedy), vocab_size)
         if output_token_ids is not None:
@@ -72,7 +74,7 @@ class SamplingMetadata:
         md.seeds = [p.seed for p in params]
         md.positions = num_output_tokens or [0] * len(params)
         md._build_processors(params, vocab_size, num_output_tokens or [0] * len(params), eos_token_ids,
-                             penalty_state_rows or {}, output_token_ids, allowed_masks or {})
+                             penalty_state_rows or {}, output_token_ids, allowed_masks or {}, grammar_rows)
         if md.all_greedy:
             return md
         md.temperature = small_tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32)
@@ -93,7 +95,7 @@ class SamplingMetadata:
         return md
 
     def _build_processors(self, params, vocab_size, num_output_tokens, eos_token_ids, penalty_rows,
-                          output_token_ids, allowed_masks) -> None:
+                          output_token_ids, allowed_masks, grammar_rows=frozenset()) -> None:
         allowed = sorted({i for i, p in enumerate(params) if p.allowed_token_ids} | set(allowed_masks))
         if allowed:
             self.allowed_rows = small_tensor(allowed, torch.int64)
@@ -104,7 +106,7 @@ class SamplingMetadata:
             if n >= p.min_tokens and not p.bad_words_token_ids:
                 continue
             banned = set()
-            if n < p.min_tokens:
+            if n < p.min_tokens and i not in grammar_rows:
                 banned |= set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
             if p.bad_words_token_ids:
                 banned |= banned_by_bad_words(p.bad_words_token_ids, output_token_ids[i] if output_token_ids else [])

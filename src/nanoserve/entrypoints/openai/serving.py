@@ -432,6 +432,11 @@ class OpenAIServing:
             raise APIError(400, f"rendering the chat template took longer than {self.chat_template_timeout:g} s "
                            "(--chat-template-timeout) and was stopped", param="messages") from None
 
+        parser = make_reasoning_parser(self.reasoning_parser, prompt_text, req.chat_template_kwargs)
+        if params.structured_outputs is not None and parser is not None:
+            # as vLLM does: the thinking stays free, the constraint starts after the reasoning's end tag
+            params.structured_outputs.start_after = parser.end_tag
+
         def reasoning_for(_):
             parsers = [make_reasoning_parser(self.reasoning_parser, prompt_text, req.chat_template_kwargs)
                        for _ in range(params.n)]

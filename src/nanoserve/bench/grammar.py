@@ -1,0 +1,176 @@
+"""`nanoserve bench grammar`: the structured-outputs cost. Grammar engines side by side on the real
+vocabulary (llguidance, and xgrammar if installed): compile time per schema, and per step at 32 rows the
+mask fill, the matcher advance and the mask apply; then engine decode steps at 32 rows, plain against
+all rows under a JSON schema."""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from nanoserve.bench.serve import bench_schema
+from nanoserve.sample.metadata import GrammarMasks
+
+SCHEMAS = {
+    "person": {"type": "object", "properties": {"name": {"type": "string"},
+                                                "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+               "required": ["name", "age"], "additionalProperties": False},
+    "nested arrays": {"type": "object", "properties": {"items": {"type": "array", "items": {
+        "type": "object", "properties": {"id": {"type": "integer"}, "tags": {"type": "array", "items": {
+            "type": "string"}, "maxItems": 3}}, "required": ["id"]}, "minItems": 1, "maxItems": 5}},
+        "required": ["items"]},
+    "recursive $ref": {"$defs": {"node": {"type": "object", "properties": {"v": {"type": "number"}, "kids": {
+        "type": "array", "items": {"$ref": "#/$defs/node"}}}}}, "$ref": "#/$defs/node"},
+    "enum/format/pattern/anyOf": {"type": "object", "properties": {
+        "color": {"enum": ["red", "green", "blue"]}, "when": {"type": "string", "format": "date-time"},
+        "code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
+        "x": {"anyOf": [{"type": "integer"}, {"type": "null"}, {"type": "string", "maxLength": 8}]}},
+        "required": ["color", "when", "code", "x"]},
+    "bench serve's": bench_schema(None),
+}
+
+
+def ms(values: list[float]) -> float:
+    return statistics.median(values) * 1e3
+
+
+def run_llguidance(tokenizer, vocab: int, rows: int, steps: int) -> dict:
+    import llguidance
+    import llguidance.hf
+    from llguidance.torch import allocate_token_bitmask, apply_token_bitmask_inplace, fill_next_token_bitmask_par
+
+    start = time.perf_counter()
+    lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab)
+    setup = time.perf_counter() - start
+    compile_ms, grammars = {}, []
+    for name, schema in SCHEMAS.items():
+        start = time.perf_counter()
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))
+        llguidance.LLMatcher(lltok, grammar).compute_logit_bias()  # the first mask is where work is done
+        compile_ms[name] = (time.perf_counter() - start) * 1e3
+        grammars.append(grammar)
+    matchers = [llguidance.LLMatcher(lltok, grammars[i % len(grammars)]) for i in range(rows)]
+    executor, mask = llguidance.LLExecutor(), allocate_token_bitmask(rows, vocab)
+    logits = torch.randn(rows, vocab)
+    ours, all_rows = GrammarMasks(vocab), torch.arange(rows)
+    fill, advance, apply, unpack, our_apply = [], [], [], [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        fill_next_token_bitmask_par(executor, [(m, i) for i, m in enumerate(matchers)], mask)
+        fill.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        allowed = ours(matchers)  # the engine's path: fill again, then unpack to bool rows
+        unpack.append(time.perf_counter() - start - fill[-1])
+        step_logits = logits.clone()
+        start = time.perf_counter()
+        step_logits[all_rows] = step_logits[all_rows].masked_fill(~allowed, float("-inf"))  # the sampler's apply
+        our_apply.append(time.perf_counter() - start)
+        step_logits = logits.clone()
+        start = time.perf_counter()
+        apply_token_bitmask_inplace(step_logits, mask)
+        apply.append(time.perf_counter() - start)
+        tokens = step_logits.argmax(-1).tolist()
+        start = time.perf_counter()
+        for m, t in zip(matchers, tokens):
+            m.consume_token(t)
+            if m.is_stopped() or m.is_error():
+                m.reset()
+        advance.append(time.perf_counter() - start)
+    return {"setup_s": setup, "compile_ms": compile_ms, "fill_ms": ms(fill), "advance_ms": ms(advance),
+            "apply_ms": ms(apply), "unpack_ms": ms(unpack), "our_apply_ms": ms(our_apply)}
+
+
+def run_xgrammar(tokenizer, vocab: int, rows: int, steps: int) -> dict:
+    import xgrammar as xgr
+
+    start = time.perf_counter()
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab)
+    compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+    setup = time.perf_counter() - start
+    compile_ms, compiled = {}, []
+    for name, schema in SCHEMAS.items():
+        start = time.perf_counter()
+        compiled.append(compiler.compile_json_schema(json.dumps(schema)))
+        compile_ms[name] = (time.perf_counter() - start) * 1e3
+    matchers = [xgr.GrammarMatcher(compiled[i % len(compiled)]) for i in range(rows)]
+    mask, logits = xgr.allocate_token_bitmask(rows, vocab), torch.randn(rows, vocab)
+    fill, advance, apply = [], [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        for i, m in enumerate(matchers):
+            m.fill_next_token_bitmask(mask, i)
+        fill.append(time.perf_counter() - start)
+        step_logits = logits.clone()
+        start = time.perf_counter()
+        xgr.apply_token_bitmask_inplace(step_logits, mask)
+        apply.append(time.perf_counter() - start)
+        tokens = step_logits.argmax(-1).tolist()
+        start = time.perf_counter()
+        for m, t in zip(matchers, tokens):
+            if not m.accept_token(t) or m.is_terminated():
+                m.reset()
+        advance.append(time.perf_counter() - start)
+    return {"setup_s": setup, "compile_ms": compile_ms, "fill_ms": ms(fill), "advance_ms": ms(advance),
+            "apply_ms": ms(apply)}
+
+
+def engine_steps(rows: int, steps: int) -> dict:
+    """Mean decode-step time of the engine at `rows` rows: plain, and every row under bench serve's schema
+    (the grammar's whole cost: mask fill, unpacking, the sampler's apply and the matcher advance)."""
+    from nanoserve import LLM, SamplingParams
+    from nanoserve.structured import StructuredOutputs
+
+    llm = LLM(max_model_len=512)
+    out = {}
+    for label, spec in (("plain", None), ("json_schema", StructuredOutputs(json=bench_schema(None)))):
+        params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True, structured_outputs=spec)
+        for i in range(rows):
+            llm.engine.add_request(_request(f"{label}-{i}", params))
+        times = []
+        while llm.engine.has_unfinished():
+            start = time.perf_counter()
+            llm.engine.step()
+            times.append(time.perf_counter() - start)
+        decode = sorted(times[4:-4])  # without the prefill steps and the ragged end
+        out[label] = statistics.median(decode) * 1e3
+    out["share"] = out["json_schema"] / out["plain"] - 1
+    return out
+
+
+def _request(request_id: str, params):
+    from nanoserve.protocol import EngineCoreRequest
+
+    return EngineCoreRequest(request_id, [1, 504, 3458, 314, 253, 1345, 28, 9, 506, 2217], params)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="nanoserve bench grammar", description=__doc__)
+    ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=64)
+    args = ap.parse_args(argv)
+    from nanoserve.frontend.tokenizer import load_tokenizer
+    from nanoserve.model.default import default_model_path
+
+    tokenizer, path = load_tokenizer(default_model_path()), ""
+    vocab = len(tokenizer)
+    print(f"| engine | tokenizer setup (s) | {' | '.join(f'compile {n} (ms)' for n in SCHEMAS)} | mask fill, "
+          f"{args.rows} rows (ms) | advance (ms) | its own apply (ms) |\n|---|---|{'---|' * len(SCHEMAS)}---|---|---|")
+    for name, fn in (("llguidance", run_llguidance), ("xgrammar", run_xgrammar)):
+        try:
+            r = fn(tokenizer, vocab, args.rows, args.steps)
+        except ImportError:
+            print(f"| {name} | not installed |")
+            continue
+        print(f"| {name} | {r['setup_s']:.2f} | {' | '.join(f'{v:.1f}' for v in r['compile_ms'].values())} | "
+              f"{r['fill_ms']:.2f} | {r['advance_ms']:.2f} | {r['apply_ms']:.2f} |", flush=True)
+        if "unpack_ms" in r:
+            ours = (r["fill_ms"], r["unpack_ms"], r["our_apply_ms"], r["advance_ms"])
+            path = (f"nanoserve's path per step at {args.rows} rows: fill {ours[0]:.2f} ms + unpack to bool "
+                    f"{ours[1]:.2f} ms + apply in the sampler {ours[2]:.2f} ms + advance {ours[3]:.2f} ms")
+    print(f"\n{path}")
+    e = engine_steps(args.rows, args.steps)
+    print(f"engine decode step at {args.rows} rows: plain {e['plain']:.1f} ms, all rows under a JSON schema "
+          f"{e['json_schema']:.1f} ms ({e['share'] * 100:+.1f}%)")
