@@ -166,7 +166,7 @@ def test_swapped_or_mistyped_kernel_arguments_raise():
         z = torch.zeros(2)
         C.sample_rows(logits, torch.empty(1), torch.empty(2, dtype=torch.int64), temperature=torch.zeros(3),
                       min_p=z, top_k=torch.full((2,), 10), top_p=torch.ones(2), keys=torch.zeros(2, 2, dtype=torch.int64),
-                      allowed=torch.zeros(1, 1, dtype=torch.bool), allowed_row=torch.full((2,), -1),
+                      allowed=torch.zeros(1, 1, dtype=torch.int32), allowed_row=torch.full((2,), -1),
                       ban_offsets=torch.zeros(3, dtype=torch.int64), ban_tokens=torch.zeros(1, dtype=torch.int64),
                       bias_offsets=torch.zeros(3, dtype=torch.int64), bias_tokens=torch.zeros(1, dtype=torch.int64),
                       bias_values=torch.zeros(1), seen_tokens=torch.zeros(1, 1, dtype=torch.int32),

@@ -294,3 +294,30 @@ def test_top_k_top_p_fall_back_to_a_full_sort_when_candidates_are_not_enough():
         md.need_processed = True
         processed = make_sampler(True).sample(flat, md)[1]
         assert torch.equal(torch.isinf(processed), torch.isinf(out))
+
+
+def test_packed_masks_round_trip_and_the_kernel_reads_every_bit():
+    """Allowed-token masks are packed 32 tokens per int32 word (xgrammar's layout); a vocabulary that is
+    not a multiple of 32 and sparse, dense and sign-bit words give the kernel the PyTorch processors' rows."""
+    from nanoserve.sample.metadata import mask_words, pack_bits, unpack_bits
+    from nanoserve.sample.sampler import apply_processors
+
+    g = torch.Generator().manual_seed(3)
+    vocab = 1003
+    bits = torch.rand(5, vocab, generator=g) < torch.tensor([[0.01], [0.5], [0.99], [0.2], [0.0]])
+    bits[4, vocab - 1] = bits[4, 31] = True  # the last token and a sign bit alone
+    words = pack_bits(bits)
+    assert words.dtype == torch.int32 and words.shape == (5, mask_words(vocab)) and (words < 0).any()
+    assert torch.equal(unpack_bits(words, vocab), bits)
+    logits = torch.randn(5, vocab, generator=g) * 3
+    params = [SamplingParams(temperature=t, logit_bias={5: 1.0}) for t in (0, 0.8, 1.0, 0, 1.2)]
+    md = SamplingMetadata.build(params, vocab, allowed_masks={i: words[i] for i in range(5)})
+    dense = apply_processors(logits, md, None)
+    assert torch.equal(torch.isinf(dense), ~bits)
+    if not KERNELS_ON:
+        return
+    md.need_processed = True
+    tokens, processed = make_sampler(True).sample(logits, md)
+    temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params]).unsqueeze(1)
+    assert torch.equal(processed, dense / temperature)
+    assert all(bits[i, t] for i, t in enumerate(tokens.tolist()))

@@ -38,6 +38,35 @@ SCHEMAS = [
                                       "meta": {"type": "object", "properties": {"n": {"type": "integer"}},
                                                "required": ["n"], "additionalProperties": False}},
      "required": ["tags", "meta"], "additionalProperties": False},
+    {"type": "object", "properties": {"n": {"type": "integer", "minimum": -5, "maximum": 5}}, "required": ["n"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"id": {"type": "string", "format": "uuid"}}, "required": ["id"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"mail": {"type": "string", "format": "email"}}, "required": ["mail"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"pet": {"oneOf": [
+        {"type": "object", "properties": {"kind": {"const": "cat"}, "lives": {"type": "integer", "minimum": 1,
+                                                                            "maximum": 9}},
+         "required": ["kind", "lives"], "additionalProperties": False},
+        {"type": "object", "properties": {"kind": {"const": "dog"}, "good": {"type": "boolean"}},
+         "required": ["kind", "good"], "additionalProperties": False}]}}, "required": ["pet"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"matrix": {"type": "array", "minItems": 2, "maxItems": 2, "items": {
+        "type": "array", "items": {"type": "number"}, "minItems": 2, "maxItems": 2}}}, "required": ["matrix"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"a": {"type": "string", "minLength": 2, "maxLength": 5},
+                                      "b": {"type": ["integer", "null"]}}, "required": ["a", "b"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"level": {"enum": [1, 2, 3, "max"]}, "note": {"type": "string", "maxLength": 20}},
+     "required": ["level"], "additionalProperties": False},
+    {"$defs": {"item": {"type": "object", "properties": {"sku": {"type": "string", "pattern": "^[0-9]{4}$"},
+                                                         "qty": {"type": "integer", "minimum": 1}},
+                        "required": ["sku", "qty"], "additionalProperties": False}},
+     "type": "object", "properties": {"order": {"type": "array", "items": {"$ref": "#/$defs/item"}, "minItems": 1,
+                                                "maxItems": 2}}, "required": ["order"], "additionalProperties": False},
+    {"type": "object", "properties": {"when": {"type": "string", "format": "date-time"},
+                                      "ok": {"const": True}}, "required": ["when", "ok"], "additionalProperties": False},
+    {"type": "string", "enum": ["alpha", "beta", "gamma delta"]},
 ]
 PROMPT = "Answer in JSON. Describe a person you like:"
 
@@ -67,7 +96,8 @@ def test_json_schemas_hold_greedy_and_sampled(llm):
 def test_regex_choice_and_grammar(llm):
     specs = [StructuredOutputs(regex=r"[0-9]{3}-[a-z]{2}"), StructuredOutputs(choice=["yes", "no", "maybe"]),
              StructuredOutputs(grammar='root ::= "cat" | "dog" | "bird" " " [0-9]'),
-             StructuredOutputs(grammar='start: "x=" NUM\nNUM: /[0-9]{1,3}/'), StructuredOutputs(json_object=True)]
+             StructuredOutputs(grammar='root ::= "x=" num\nnum ::= [0-9] | [0-9] [0-9] | [0-9] [0-9] [0-9]'),
+             StructuredOutputs(json_object=True)]
     for temperature in (0.0, 1.0):
         outs = llm.generate(["Pick one:"] * len(specs), [SamplingParams(temperature=temperature, seed=3, max_tokens=40,
                                                                         structured_outputs=s) for s in specs],
@@ -195,3 +225,42 @@ def test_min_tokens_and_preemption_keep_the_grammar(llm):
             jsonschema.validate(json.loads(o.outputs[0].text), story)
         if alone.finish_reason == "stop":
             jsonschema.validate(json.loads(alone.text), story)
+
+
+@pytest.mark.server
+def test_server_streamed_schemas_validate_and_bad_ones_are_400_before_the_stream(server):
+    """Every schema, streamed at temperature 1.0 with a seed, in one concurrent burst: the accumulated text
+    validates. A schema the engine cannot compile is a 400 naming the field even with stream=true."""
+    import asyncio
+
+    async def one(http, i, schema):
+        body = {"prompt": PROMPT, "max_tokens": 120, "temperature": 1.0, "seed": i, "stream": True,
+                "response_format": {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}}}
+        text, finish = "", None
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    choice = json.loads(line[6:])["choices"][0]
+                    text, finish = text + choice["text"], choice["finish_reason"] or finish
+        return text, finish
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+            return await asyncio.gather(*(one(http, i, s) for i, s in enumerate(SCHEMAS)))
+
+    results = asyncio.run(main())
+    for (text, finish), schema in zip(results, SCHEMAS):
+        if finish == "stop":
+            jsonschema.validate(json.loads(text), schema)
+    assert sum(finish == "stop" for _, finish in results) >= len(SCHEMAS) * 0.8
+    for body, param in (({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                            "type": "object", "properties": {"a": {"type": "string", "pattern": "(("}}}}}},
+                         "response_format"),
+                        ({"guided_regex": "[a-"}, "guided_regex"),
+                        ({"structured_outputs": {"json": {"type": "wat"}}}, "structured_outputs"),
+                        ({"guided_json": PERSON, "guided_whitespace_pattern": " ?"}, "guided_json")):
+        r = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                       json={"prompt": "x", "max_tokens": 4, "stream": True, **body})
+        assert r.status_code == 400 and r.headers["content-type"].startswith("application/json"), r.text
+        assert r.json()["error"]["param"] == param, r.text

@@ -1,5 +1,5 @@
 """`nanoserve bench grammar`: the structured-outputs cost. Grammar engines side by side on the real
-vocabulary (llguidance, and xgrammar if installed): compile time per schema, and per step at 32 rows the
+vocabulary (xgrammar, and llguidance if installed): compile time per schema, and per step at 32 rows the
 mask fill, the matcher advance and the mask apply; then engine decode steps at 32 rows, plain against
 all rows under a JSON schema."""
 from __future__ import annotations
@@ -38,6 +38,7 @@ def ms(values: list[float]) -> float:
 
 
 def run_llguidance(tokenizer, vocab: int, rows: int, steps: int) -> dict:
+    """llguidance (not a dependency; measured when installed): its parallel fill, advance and own apply."""
     import llguidance
     import llguidance.hf
     from llguidance.torch import allocate_token_bitmask, apply_token_bitmask_inplace, fill_next_token_bitmask_par
@@ -53,21 +54,12 @@ def run_llguidance(tokenizer, vocab: int, rows: int, steps: int) -> dict:
         compile_ms[name] = (time.perf_counter() - start) * 1e3
         grammars.append(grammar)
     matchers = [llguidance.LLMatcher(lltok, grammars[i % len(grammars)]) for i in range(rows)]
-    executor, mask = llguidance.LLExecutor(), allocate_token_bitmask(rows, vocab)
-    logits = torch.randn(rows, vocab)
-    ours, all_rows = GrammarMasks(vocab), torch.arange(rows)
-    fill, advance, apply, unpack, our_apply = [], [], [], [], []
+    executor, mask, logits = llguidance.LLExecutor(), allocate_token_bitmask(rows, vocab), torch.randn(rows, vocab)
+    fill, advance, apply = [], [], []
     for _ in range(steps):
         start = time.perf_counter()
         fill_next_token_bitmask_par(executor, [(m, i) for i, m in enumerate(matchers)], mask)
         fill.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        allowed = ours(matchers)  # the engine's path: fill again, then unpack to bool rows
-        unpack.append(time.perf_counter() - start - fill[-1])
-        step_logits = logits.clone()
-        start = time.perf_counter()
-        step_logits[all_rows] = step_logits[all_rows].masked_fill(~allowed, float("-inf"))  # the sampler's apply
-        our_apply.append(time.perf_counter() - start)
         step_logits = logits.clone()
         start = time.perf_counter()
         apply_token_bitmask_inplace(step_logits, mask)
@@ -80,15 +72,22 @@ def run_llguidance(tokenizer, vocab: int, rows: int, steps: int) -> dict:
                 m.reset()
         advance.append(time.perf_counter() - start)
     return {"setup_s": setup, "compile_ms": compile_ms, "fill_ms": ms(fill), "advance_ms": ms(advance),
-            "apply_ms": ms(apply), "unpack_ms": ms(unpack), "our_apply_ms": ms(our_apply)}
+            "apply_ms": ms(apply)}
 
 
 def run_xgrammar(tokenizer, vocab: int, rows: int, steps: int) -> dict:
+    """xgrammar, nanoserve's engine: its one-by-one fill and own apply, and nanoserve's path (the batched
+    fill of `GrammarMasks`, the packed masks applied inside the sampler's C chain)."""
     import xgrammar as xgr
+
+    from nanoserve.kernels.backend import select_backend
+    from nanoserve.sample.metadata import SamplingMetadata
+    from nanoserve.sample.sampler import Sampler
+    from nanoserve.sampling_params import SamplingParams
 
     start = time.perf_counter()
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab)
-    compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     setup = time.perf_counter() - start
     compile_ms, compiled = {}, []
     for name, schema in SCHEMAS.items():
@@ -97,45 +96,63 @@ def run_xgrammar(tokenizer, vocab: int, rows: int, steps: int) -> dict:
         compile_ms[name] = (time.perf_counter() - start) * 1e3
     matchers = [xgr.GrammarMatcher(compiled[i % len(compiled)]) for i in range(rows)]
     mask, logits = xgr.allocate_token_bitmask(rows, vocab), torch.randn(rows, vocab)
-    fill, advance, apply = [], [], []
+    ours = GrammarMasks(vocab)
+    sampler = Sampler(select_backend("auto", torch.get_num_threads()))
+    greedy = [SamplingParams(temperature=0)] * rows
+    plain_md = SamplingMetadata.build(greedy, vocab)
+    plain_md.all_greedy = False  # the C chain over every row, without a mask: the apply's baseline
+    plain_md.temperature = torch.ones(rows)
+    fill, batch_fill, advance, apply, chain_plain, chain_masked = [], [], [], [], [], []
     for _ in range(steps):
         start = time.perf_counter()
         for i, m in enumerate(matchers):
             m.fill_next_token_bitmask(mask, i)
         fill.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        packed = ours(matchers)
+        batch_fill.append(time.perf_counter() - start)
+        md = SamplingMetadata.build(greedy, vocab, allowed_masks=dict(enumerate(packed)))
+        start = time.perf_counter()
+        tokens = sampler(logits, md).tolist()
+        chain_masked.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        sampler(logits, plain_md)
+        chain_plain.append(time.perf_counter() - start)
         step_logits = logits.clone()
         start = time.perf_counter()
         xgr.apply_token_bitmask_inplace(step_logits, mask)
         apply.append(time.perf_counter() - start)
-        tokens = step_logits.argmax(-1).tolist()
         start = time.perf_counter()
         for m, t in zip(matchers, tokens):
             if not m.accept_token(t) or m.is_terminated():
                 m.reset()
         advance.append(time.perf_counter() - start)
     return {"setup_s": setup, "compile_ms": compile_ms, "fill_ms": ms(fill), "advance_ms": ms(advance),
-            "apply_ms": ms(apply)}
+            "apply_ms": ms(apply), "batch_fill_ms": ms(batch_fill),
+            "our_apply_ms": ms(chain_masked) - ms(chain_plain), "chain_ms": ms(chain_plain)}
 
 
-def engine_steps(rows: int, steps: int) -> dict:
-    """Mean decode-step time of the engine at `rows` rows: plain, and every row under bench serve's schema
-    (the grammar's whole cost: mask fill, unpacking, the sampler's apply and the matcher advance)."""
+def engine_steps(rows: int, steps: int, rounds: int = 3) -> dict:
+    """Median decode-step time of the engine at `rows` rows: plain, and every row under bench serve's schema
+    (the grammar's whole cost: mask fill, the sampler's apply and the matcher advance), alternated `rounds`
+    times so that both see the same machine."""
     from nanoserve import LLM, SamplingParams
     from nanoserve.structured import StructuredOutputs
 
     llm = LLM(max_model_len=512)
-    out = {}
-    for label, spec in (("plain", None), ("json_schema", StructuredOutputs(json=bench_schema(None)))):
-        params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True, structured_outputs=spec)
-        for i in range(rows):
-            llm.engine.add_request(_request(f"{label}-{i}", params))
-        times = []
-        while llm.engine.has_unfinished():
-            start = time.perf_counter()
-            llm.engine.step()
-            times.append(time.perf_counter() - start)
-        decode = sorted(times[4:-4])  # without the prefill steps and the ragged end
-        out[label] = statistics.median(decode) * 1e3
+    times: dict[str, list[float]] = {"plain": [], "json_schema": []}
+    for r in range(rounds):
+        for label, spec in (("plain", None), ("json_schema", StructuredOutputs(json=bench_schema(None)))):
+            params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True, structured_outputs=spec)
+            for i in range(rows):
+                llm.engine.add_request(_request(f"{label}-{r}-{i}", params))
+            step_times = []
+            while llm.engine.has_unfinished():
+                start = time.perf_counter()
+                llm.engine.step()
+                step_times.append(time.perf_counter() - start)
+            times[label] += step_times[4:-4]  # without the prefill steps and the ragged end
+    out = {label: statistics.median(t) * 1e3 for label, t in times.items()}
     out["share"] = out["json_schema"] / out["plain"] - 1
     return out
 
@@ -158,7 +175,7 @@ def main(argv=None) -> None:
     vocab = len(tokenizer)
     print(f"| engine | tokenizer setup (s) | {' | '.join(f'compile {n} (ms)' for n in SCHEMAS)} | mask fill, "
           f"{args.rows} rows (ms) | advance (ms) | its own apply (ms) |\n|---|---|{'---|' * len(SCHEMAS)}---|---|---|")
-    for name, fn in (("llguidance", run_llguidance), ("xgrammar", run_xgrammar)):
+    for name, fn in (("xgrammar", run_xgrammar), ("llguidance", run_llguidance)):
         try:
             r = fn(tokenizer, vocab, args.rows, args.steps)
         except ImportError:
@@ -166,10 +183,10 @@ def main(argv=None) -> None:
             continue
         print(f"| {name} | {r['setup_s']:.2f} | {' | '.join(f'{v:.1f}' for v in r['compile_ms'].values())} | "
               f"{r['fill_ms']:.2f} | {r['advance_ms']:.2f} | {r['apply_ms']:.2f} |", flush=True)
-        if "unpack_ms" in r:
-            ours = (r["fill_ms"], r["unpack_ms"], r["our_apply_ms"], r["advance_ms"])
-            path = (f"nanoserve's path per step at {args.rows} rows: fill {ours[0]:.2f} ms + unpack to bool "
-                    f"{ours[1]:.2f} ms + apply in the sampler {ours[2]:.2f} ms + advance {ours[3]:.2f} ms")
+        if "batch_fill_ms" in r:
+            path = (f"nanoserve's path per step at {args.rows} rows: batched fill {r['batch_fill_ms']:.2f} ms + "
+                    f"apply in the C sampler {r['our_apply_ms']:+.2f} ms (its chain without a mask: "
+                    f"{r['chain_ms']:.2f} ms) + advance {r['advance_ms']:.2f} ms")
     print(f"\n{path}")
     e = engine_steps(args.rows, args.steps)
     print(f"engine decode step at {args.rows} rows: plain {e['plain']:.1f} ms, all rows under a JSON schema "

@@ -116,7 +116,7 @@ class EngineCore:
         if spec is None:
             return None
         if self.grammars is None:
-            self.grammars = GrammarBackend(self.config.model, self.model_config.vocab_size)
+            self.grammars = GrammarBackend(self.config.model, self.model_config.vocab_size, self.eos_token_ids)
         return self.grammars.state(spec)
 
     def check_request(self, request: EngineCoreRequest) -> int:

@@ -82,7 +82,7 @@ class ModelRunner:
                           for _ in range(cfg.num_layers)]
         self.sampler = Sampler(backend, torch.Generator().manual_seed(seed))
         self.penalties = PenaltyState(cfg.vocab_size)
-        self.allowed_masks: dict[str, torch.Tensor] = {}  # request id -> (V,) mask, built once
+        self.allowed_masks: dict[str, torch.Tensor] = {}  # request id -> packed mask, built once
         self.grammar_masks: GrammarMasks | None = None  # with the first structured-outputs row
 
     def run_model(self, input_ids: torch.Tensor, meta: AttentionMetadata, logits_rows: torch.Tensor) -> torch.Tensor:

@@ -125,7 +125,8 @@ typedef struct {
 } DecodeStep;
 
 /* The sampler's chain over a batch (sampling.c). Per row: temperature (0: greedy), min_p, top_k (vocab:
- * off), top_p, keys (2 int64 noise halves); allowed[allowed_row[b]] (a (vocab,) bool mask, row -1: none);
+ * off), top_p, keys (2 int64 noise halves); allowed[allowed_row[b]] (a packed mask of (vocab + 31) / 32 int32 words, token t
+ * allowed when bit t % 32 of word t / 32 is set; row -1: none);
  * banned tokens and logit_bias as CSR lists (offsets (batch + 1,)); penalties from penalty_row[b]'s
  * seen_tokens (rows, seen_stride) int32, num_seen and output_counts (rows, vocab) int32. */
 typedef struct {

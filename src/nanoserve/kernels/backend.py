@@ -303,7 +303,7 @@ class CKernelBackend(TorchBackend):
             check(k, "work", work, f32, ("B", "V") if write_work else (None,), s),
             check(k, "temperature", temperature, f32, ("B",), s), check(k, "min_p", min_p, f32, ("B",), s),
             check(k, "top_k", top_k, i64, ("B",), s), check(k, "top_p", top_p, f32, ("B",), s),
-            check(k, "keys", keys, i64, ("B", 2), s), check(k, "allowed", allowed, torch.bool, (None, None), s),
+            check(k, "keys", keys, i64, ("B", 2), s), check(k, "allowed", allowed, i32, (None, None), s),
             check(k, "allowed_row", allowed_row, i64, ("B",), s),
             check(k, "ban_offsets", ban_offsets, i64, ("B+1",), s), check(k, "ban_tokens", ban_tokens, i64, (None,), s),
             check(k, "bias_offsets", bias_offsets, i64, ("B+1",), s),
@@ -313,8 +313,11 @@ class CKernelBackend(TorchBackend):
             check(k, "penalty_row", penalty_row, i64, ("B",), s), check(k, "repetition", repetition, f32, ("B",), s),
             check(k, "frequency", frequency, f32, ("B",), s), check(k, "presence", presence, f32, ("B",), s),
             check(k, "tokens", tokens, i64, ("B",), s), int(write_work), s["B"], s["V"], seen_tokens.shape[1])
-        if bool((allowed_row >= 0).any()) and allowed.shape[1] != s["V"]:
-            raise abi.KernelArgumentError(f"{k}: allowed must have one column per token ({s['V']})")
+        if bool((allowed_row >= 0).any()) and allowed.shape[1] != (s["V"] + 31) // 32:
+            raise abi.KernelArgumentError(f"{k}: allowed must be packed masks of {(s['V'] + 31) // 32} words "
+                                          f"(one bit per token), got {allowed.shape[1]}")
+        if bool((allowed_row >= allowed.shape[0]).any()):
+            raise abi.KernelArgumentError(f"{k}: allowed_row past the {allowed.shape[0]} masks")
         if bool((penalty_row >= 0).any()) and output_counts.shape[1] != s["V"]:
             raise abi.KernelArgumentError(f"{k}: output_counts must have one column per token ({s['V']})")
         self.lib.ns_sample_rows(args)

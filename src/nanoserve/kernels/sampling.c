@@ -347,21 +347,30 @@ static float scale_max_sumexp(float *x, const float *src, int64_t n, float t, fl
     return m;
 }
 
-/* x[i] = (mask[i] ? src[i] : -inf) / t (allowed_token_ids); returns the row's max. */
-static float mask_scale_max(float *x, const float *src, const uint8_t *mask, int64_t n, float t) {
+/* Whether token i is allowed by a packed mask (abi.h: bit i % 32 of word i / 32). */
+static inline int allowed_bit(const uint32_t *mask, int64_t i) { return (int)((mask[i >> 5] >> (i & 31)) & 1u); }
+
+/* x[i] = (allowed_bit(mask, i) ? src[i] : -inf) / t (allowed_token_ids and grammars); returns the row's max. */
+static float mask_scale_max(float *x, const float *src, const uint32_t *mask, int64_t n, float t) {
     const __m256 tv = _mm256_set1_ps(t), ninf = _mm256_set1_ps(-INFINITY);
+    const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
     __m256 mv = ninf;
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        const __m256i mk = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mask + i)));
-        const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(mk, _mm256_setzero_si256()));
+    for (; i + 8 <= n; i += 8) { /* i is a multiple of 8: its 8 bits are in one word */
+        const uint32_t bits = (mask[i >> 5] >> (i & 31)) & 0xFFu;
+        if (bits == 0) {
+            _mm256_storeu_ps(x + i, ninf);
+            continue;
+        }
+        const __m256i on = _mm256_and_si256(_mm256_set1_epi32((int32_t)bits), lane_bit);
+        const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(on, _mm256_setzero_si256()));
         const __m256 v = _mm256_blendv_ps(ninf, _mm256_div_ps(_mm256_loadu_ps(src + i), tv), keep);
         _mm256_storeu_ps(x + i, v);
         mv = _mm256_max_ps(mv, v);
     }
     float m = max8(mv);
     for (; i < n; i++) {
-        x[i] = mask[i] ? src[i] / t : -INFINITY;
+        x[i] = allowed_bit(mask, i) ? src[i] / t : -INFINITY;
         m = x[i] > m ? x[i] : m;
     }
     return m;
@@ -372,7 +381,7 @@ static float mask_scale_max(float *x, const float *src, const uint8_t *mask, int
  * (the row's list `seen`, n_seen long). Each touched token's value is rebuilt from src in vLLM's order
  * (allowed -> banned -> bias -> penalties) in the scratch y, then divided by t into x: the same numbers
  * a dense pass would give, without one. Returns the row's new max. */
-static float apply_sparse(float *x, float *y, const float *src, int64_t V, const uint8_t *mask, float t, float m,
+static float apply_sparse(float *x, float *y, const float *src, int64_t V, const uint32_t *mask, float t, float m,
                           const int64_t *ban, int64_t n_ban, const int64_t *bias_tok, const float *bias_val,
                           int64_t n_bias, const int32_t *seen, int64_t n_seen, const int32_t *counts,
                           float rep, float freq, float pres) {
@@ -381,7 +390,7 @@ static float apply_sparse(float *x, float *y, const float *src, int64_t V, const
     for (int64_t j = 0; j < n_ban; j++) { const int64_t tok = ban[j]; body; }       \
     for (int64_t j = 0; j < n_bias; j++) { const int64_t tok = bias_tok[j]; body; } \
     for (int64_t j = 0; j < n_seen; j++) { const int64_t tok = seen[j]; body; }
-    TOUCHED(recheck |= x[tok] == m; y[tok] = mask && !mask[tok] ? -INFINITY : src[tok])
+    TOUCHED(recheck |= x[tok] == m; y[tok] = mask && !allowed_bit(mask, tok) ? -INFINITY : src[tok])
     for (int64_t j = 0; j < n_ban; j++) y[ban[j]] = -INFINITY;
     for (int64_t j = 0; j < n_bias; j++) y[bias_tok[j]] += bias_val[j];
     for (int64_t j = 0; j < n_seen; j++) { /* the dense formula's seen branch; unseen tokens keep v */
@@ -407,8 +416,9 @@ void sample_rows(const SampleArgs *a) {
     const int64_t *ban_tokens = a->ban_tokens, *bias_offsets = a->bias_offsets, *bias_tokens = a->bias_tokens;
     const int64_t *num_seen = a->num_seen, *penalty_row = a->penalty_row;
     const int32_t *seen_tokens = a->seen_tokens, *output_counts = a->output_counts;
-    const uint8_t *allowed = a->allowed;
+    const uint32_t *allowed = a->allowed;
     const int64_t write_work = a->write_work, B = a->batch, V = a->vocab, seen_stride = a->seen_stride;
+    const int64_t mask_words = (V + 31) / 32;
     float *work = a->work;
     int64_t *tokens = a->tokens;
 #pragma omp parallel
@@ -423,7 +433,7 @@ void sample_rows(const SampleArgs *a) {
             float *x = write_work ? work + b * V : row;
             const float *src = logits + b * V;
             const float t = temperature[b], ts = t == 0.0f ? 1.0f : t; /* greedy rows: x / 1 == x */
-            const uint8_t *mask = allowed_row[b] >= 0 ? allowed + allowed_row[b] * V : NULL;
+            const uint32_t *mask = allowed_row[b] >= 0 ? allowed + allowed_row[b] * mask_words : NULL;
             const int64_t pr = penalty_row[b], n_ban = ban_offsets[b + 1] - ban_offsets[b],
                           n_bias = bias_offsets[b + 1] - bias_offsets[b];
             const int sparse = pr >= 0 || n_ban > 0 || n_bias > 0;

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from nanoserve.kernels.backend import TorchBackend
-from nanoserve.sample.metadata import SamplingMetadata, small_tensor
+from nanoserve.sample.metadata import SamplingMetadata, small_tensor, unpack_bits
 from nanoserve.sample.penalties import PenaltyState, apply_penalties
 
 
@@ -97,7 +97,7 @@ def apply_processors(logits: torch.Tensor, md: SamplingMetadata,
     logits = logits.clone()
     if md.allowed_rows is not None:
         rows = logits[md.allowed_rows]
-        logits[md.allowed_rows] = rows.masked_fill(~md.allowed_mask, float("-inf"))
+        logits[md.allowed_rows] = rows.masked_fill(~unpack_bits(md.allowed_mask, logits.shape[1]), float("-inf"))
     if md.banned is not None:
         logits[md.banned] = float("-inf")
     if md.bias is not None:
@@ -204,7 +204,7 @@ class Sampler:
         top_k = md.top_k if md.top_k is not None else torch.full((batch,), vocab)
         top_p = md.top_p if md.top_p is not None else torch.ones(batch)
         min_p = md.min_p if md.min_p is not None else torch.zeros(batch)
-        allowed, allowed_row = torch.zeros(1, 1, dtype=torch.bool), none
+        allowed, allowed_row = torch.zeros(1, 1, dtype=torch.int32), none
         if md.allowed_rows is not None:
             allowed, allowed_row = md.allowed_mask.contiguous(), none.clone()
             allowed_row[md.allowed_rows] = torch.arange(len(md.allowed_rows))

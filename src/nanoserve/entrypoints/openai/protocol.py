@@ -118,9 +118,17 @@ class SamplingFields(OpenAIModel):
     guided_grammar: Optional[str] = None
     guided_whitespace_pattern: Optional[str] = None
 
+    def structured_field(self) -> Optional[str]:
+        """The request field that asks for structured outputs (errors found by the engine name it)."""
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            return "response_format"
+        return next((name for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                                       "guided_grammar") if getattr(self, name) is not None), None)
+
     def structured_spec(self) -> Optional[StructuredOutputs]:
-        """The one structured-outputs request among the fields, checked by the grammar engine (a ValueError
-        names the field: an invalid schema, regex or grammar, or two fields at once)."""
+        """The one structured-outputs request among the fields, with the checks that need no grammar engine
+        (a ValueError names the field: a malformed spec, or two fields at once). The engine compiles it: an
+        invalid schema, regex or grammar is its 400, before any stream starts."""
         given = {}
         fmt = self.response_format
         if fmt is not None and fmt.get("type", "text") != "text":
@@ -151,7 +159,7 @@ class SamplingFields(OpenAIModel):
             return None
         (name, spec), = given.items()
         try:
-            spec.check()
+            spec.kind()
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from None
         return spec

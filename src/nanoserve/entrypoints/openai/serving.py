@@ -16,11 +16,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from nanoserve.entrypoints.openai.deadline import DeadlineExceeded, run_with_deadline
 from nanoserve.entrypoints.openai.metrics import Metrics, RequestTimer
 from nanoserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from nanoserve.engine.client import EngineDeadError
+from nanoserve.engine.client import EngineDeadError, RequestRejected
 from nanoserve.frontend.async_llm import AsyncLLM, RequestStream
 from nanoserve.frontend.output_processor import CompletionDelta
 from nanoserve.frontend.reasoning import make_reasoning_parser
 from nanoserve.protocol import TokenLogprobs
+from nanoserve.structured import STRUCTURED_KINDS
 
 
 class APIError(Exception):
@@ -131,14 +132,22 @@ class OpenAIServing:
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])
 
-    async def _submit(self, raw: Request, prompts: list[list[int]], params, reasoning_for) -> list[RequestStream]:
-        """Submits every prompt; if one is refused, the others are withdrawn and the error raised."""
+    async def _submit(self, raw: Request, req, prompts: list[list[int]], params, reasoning_for) -> list[RequestStream]:
+        """Submits every prompt; if one is refused, the others are withdrawn and the error raised (a grammar
+        the engine could not compile names the request's structured-outputs field)."""
         base = raw.headers.get("x-request-id") or uuid.uuid4().hex
         streams = []
         try:
             for i, ids in enumerate(prompts):
                 request_id = f"{base}-{i}-{uuid.uuid4().hex[:8]}"
                 streams.append(await self.llm.submit(request_id, ids, params, reasoning_for(i)))
+        except RequestRejected as exc:
+            for s in streams:
+                s.abort()
+            field = req.structured_field()
+            if exc.status == 400 and field is not None and exc.param in STRUCTURED_KINDS:
+                raise APIError(400, f"{field}: {exc}", param=field) from None
+            raise
         except BaseException:
             for s in streams:
                 s.abort()
@@ -317,7 +326,7 @@ class OpenAIServing:
         texts = [t if t is not None or not req.echo else self.tokenizer.decode(ids) for t, ids in prompts]
         ids_list = [ids for _, ids in prompts]
         timer = RequestTimer(self.metrics)
-        streams = await self._submit(raw, ids_list, params, lambda i: None)
+        streams = await self._submit(raw, req, ids_list, params, lambda i: None)
         n, created = params.n, int(time.time())
         response_id = f"cmpl-{uuid.uuid4().hex}"
         prefixes = [texts[i // n] if req.echo else "" for i in range(len(prompts) * n)]
@@ -443,7 +452,7 @@ class OpenAIServing:
             return parsers if any(parsers) else None
 
         timer = RequestTimer(self.metrics)
-        streams = await self._submit(raw, [ids], params, reasoning_for)
+        streams = await self._submit(raw, req, [ids], params, reasoning_for)
         created, response_id = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             return StreamingResponse(self._guard(self._stream_chat(req, streams, ids, model, created, response_id,
