@@ -33,6 +33,65 @@ SCHEMAS = {
 }
 
 
+WALK_PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                               "city": {"type": "string"}},
+               "required": ["name", "age", "city"], "additionalProperties": False}
+# Texts as a model writes them (SmolLM2's greedy output under bench serve's schema, and a person), with
+# free and with compact whitespace: every row follows the text, so each step's fill is one grammar state.
+TEXT_WALKS = [
+    ("strings, free whitespace", bench_schema(None), '[\n\n"The original"\n\n,\n\n'
+     + ',\n\n'.join(['"The original"\n\n'] * 7), True),
+    ("strings, compact", bench_schema(None), '["The original",' + ','.join(['"The original"'] * 7), False),
+    ("person, free whitespace", WALK_PERSON, '{\n  "name": "Monica Bellucci",\n  "age": 30,\n  "city": "Rome"\n}',
+     True),
+    ("person, compact", WALK_PERSON, '{"name":"Monica Bellucci","age":30,"city":"Rome"}', False),
+]
+
+
+def text_walks(tokenizer, vocab: int, rows: int) -> list[tuple]:
+    """Mean and worst mask fill at `rows` rows along each of TEXT_WALKS, xgrammar and (if installed) llguidance."""
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab)
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    try:
+        import llguidance
+        import llguidance.hf
+        from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask_par
+        lltok, executor = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab), llguidance.LLExecutor()
+    except ImportError:
+        llguidance = None
+    out = []
+    for name, schema, text, free in TEXT_WALKS:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        compact = {} if free else {"any_whitespace": False, "separators": (",", ":")}
+        matchers = [xgr.GrammarMatcher(compiler.compile_json_schema(json.dumps(schema), **compact))
+                    for _ in range(rows)]
+        masks, fills = GrammarMasks(vocab), []
+        for token in ids:
+            start = time.perf_counter()
+            masks(matchers)
+            fills.append(time.perf_counter() - start)
+            for m in matchers:
+                m.accept_token(token)
+        row = [name, len(ids), statistics.mean(fills) * 1e3, max(fills) * 1e3]
+        if llguidance is not None:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema),
+                                                                   defaults={"whitespace_flexible": free})
+            matchers = [llguidance.LLMatcher(lltok, grammar) for _ in range(rows)]
+            mask, fills = allocate_token_bitmask(rows, vocab), []
+            for token in ids:
+                start = time.perf_counter()
+                fill_next_token_bitmask_par(executor, [(m, i) for i, m in enumerate(matchers)], mask)
+                fills.append(time.perf_counter() - start)
+                for m in matchers:
+                    m.consume_token(token)
+            row += [statistics.mean(fills) * 1e3, max(fills) * 1e3]
+        out.append(tuple(row))
+    return out
+
+
 def ms(values: list[float]) -> float:
     return statistics.median(values) * 1e3
 
@@ -187,7 +246,11 @@ def main(argv=None) -> None:
             path = (f"nanoserve's path per step at {args.rows} rows: batched fill {r['batch_fill_ms']:.2f} ms + "
                     f"apply in the C sampler {r['our_apply_ms']:+.2f} ms (its chain without a mask: "
                     f"{r['chain_ms']:.2f} ms) + advance {r['advance_ms']:.2f} ms")
-    print(f"\n{path}")
+    print(f"\n{path}\n\n| text walk, {args.rows} rows | tokens | xgrammar fill mean / max (ms) | "
+          f"llguidance fill mean / max (ms) |\n|---|---|---|---|")
+    for row in text_walks(tokenizer, vocab, args.rows):
+        llg = f"{row[4]:.2f} / {row[5]:.1f}" if len(row) > 4 else "not installed"
+        print(f"| {row[0]} | {row[1]} | {row[2]:.2f} / {row[3]:.1f} | {llg} |", flush=True)
     e = engine_steps(args.rows, args.steps)
     print(f"engine decode step at {args.rows} rows: plain {e['plain']:.1f} ms, all rows under a JSON schema "
           f"{e['json_schema']:.1f} ms ({e['share'] * 100:+.1f}%)")
