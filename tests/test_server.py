@@ -240,6 +240,8 @@ USER = {"role": "user", "content": "hi"}
     ({"messages": [USER], "structured_outputs": {"shape": "round"}}, "structured_outputs"),
     ({"messages": [USER], "guided_choice": ["yes"], "response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": [USER], "stop": [f"s{i}" for i in range(1000)]}, "stop"),
+    # SmolLM2's own template never shows tools to the model (--chat-template chatml-tools does)
+    ({"messages": [USER], "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
 ])
 def test_chat_requests_openai_refuses_are_400(server, body, param):
     """What OpenAI answers with 400 is not accepted (and, for images, silently ignored); a structured-outputs

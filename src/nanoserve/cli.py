@@ -79,6 +79,12 @@ def cmd_serve(args) -> None:
     settings = ServerConfig(model_path=model, **kwargs_from_args(args, (ServerConfig,)))
     if settings.reasoning_parser and settings.reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"--reasoning-parser must be one of {sorted(REASONING_PARSERS)}")
+    if settings.chat_template:
+        from nanoserve.templates import resolve_chat_template
+        resolve_chat_template(settings.chat_template)  # a missing file or a syntax error fails here
+    if settings.tool_call_parser:
+        from nanoserve.frontend.tool_parsers import make_tool_parser
+        make_tool_parser(settings.tool_call_parser)  # an unknown name fails here, naming the choices
     if settings.api_server_count < 1:
         raise ValueError("--api-server-count must be >= 1")
     if not settings.served_model_names:

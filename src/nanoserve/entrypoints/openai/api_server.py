@@ -80,7 +80,8 @@ def create_app(settings: ServerConfig, tokenizer) -> FastAPI:
 
     llm = AsyncLLM(tokenizer, settings.address, f"api-{settings.index}-{os.getpid()}".encode(), on_dead)
     serving = OpenAIServing(llm, tokenizer, settings.served_model_names, metrics, settings.reasoning_parser,
-                            settings.trust_request_chat_template, settings.chat_template_timeout)
+                            settings.trust_request_chat_template, settings.chat_template_timeout,
+                            settings.tool_call_parser)
     state, ready = {"ready": False}, asyncio.Event()
 
     async def connect():
@@ -267,7 +268,11 @@ def run_api_server(settings: ServerConfig) -> None:
     logging.basicConfig(level=settings.log_level.upper(),
                         format=f"%(asctime)s api-{settings.index}[%(process)d] %(levelname)s %(message)s")
     sock = listening_socket(settings.host, settings.port)
-    app = create_app(settings, load_tokenizer(settings.model_path))
+    tokenizer = load_tokenizer(settings.model_path)
+    if settings.chat_template:
+        from nanoserve.templates import resolve_chat_template
+        tokenizer.chat_template = resolve_chat_template(settings.chat_template)
+    app = create_app(settings, tokenizer)
     config = uvicorn.Config(app, log_level=settings.log_level, timeout_graceful_shutdown=settings.drain_timeout,
                             access_log=False, timeout_keep_alive=settings.keep_alive_timeout)
 

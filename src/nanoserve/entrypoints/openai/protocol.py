@@ -259,6 +259,14 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     tools: Annotated[Optional[list[dict[str, Any]]], at_most(MAX_TOOLS)] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+
+    def structured_field(self) -> Optional[str]:
+        field = super().structured_field()
+        if field is None and (self.tool_choice == "required" or isinstance(self.tool_choice, dict)):
+            return "tools"  # the tools' parameter schemas became the constraint
+        return field
 
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

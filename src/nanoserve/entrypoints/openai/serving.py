@@ -16,12 +16,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from nanoserve.entrypoints.openai.deadline import DeadlineExceeded, run_with_deadline
 from nanoserve.entrypoints.openai.metrics import Metrics, RequestTimer
 from nanoserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from nanoserve.entrypoints.openai.tools import ToolRequest, tool_calls_message
 from nanoserve.engine.client import EngineDeadError, RequestRejected
 from nanoserve.frontend.async_llm import AsyncLLM, RequestStream
 from nanoserve.frontend.output_processor import CompletionDelta
 from nanoserve.frontend.reasoning import make_reasoning_parser
 from nanoserve.protocol import TokenLogprobs
 from nanoserve.structured import STRUCTURED_KINDS
+from nanoserve.templates import renders_tools
 
 
 class APIError(Exception):
@@ -89,8 +91,10 @@ def messages_chars(messages) -> int:
 class OpenAIServing:
     def __init__(self, llm: AsyncLLM, tokenizer, model_names: list[str], metrics: Metrics,
                  reasoning_parser: Optional[str] = None, trust_request_chat_template: bool = False,
-                 chat_template_timeout: float = 5.0):
+                 chat_template_timeout: float = 5.0, tool_call_parser: Optional[str] = None):
         self.llm, self.tokenizer, self.model_names = llm, tokenizer, model_names
+        self.tool_call_parser = tool_call_parser
+        self.template_renders_tools = renders_tools(tokenizer.chat_template or "")
         self.metrics, self.reasoning_parser = metrics, reasoning_parser
         self.trust_request_chat_template = trust_request_chat_template
         self.chat_template_timeout = chat_template_timeout
@@ -407,6 +411,7 @@ class OpenAIServing:
         messages = []
         for m in req.messages:
             message = m.model_dump(exclude_none=True)
+            message.setdefault("content", "")  # an assistant turn of tool calls only: templates read content
             if isinstance(m.content, list):
                 message["content"] = "".join(part.get("text", "") for part in m.content
                                              if part.get("type") in ("text", "input_text"))
@@ -420,6 +425,10 @@ class OpenAIServing:
             raise APIError(400, "chat_template_kwargs.chat_template: this server does not run chat templates sent "
                            "by requests (start it with --trust-request-chat-template to allow them)",
                            param="chat_template_kwargs")
+        if req.tools and not self.template_renders_tools:
+            raise APIError(400, "tools: the chat template in use does not render tools, so the model would never "
+                           "see them (start the server with --chat-template chatml-tools, or a template that "
+                           "does)", param="tools")
         if req.continue_final_message and req.add_generation_prompt:
             raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true",
                            param="continue_final_message")
@@ -435,6 +444,12 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         model = self.check_model(req.model)
         params = req.to_sampling_params()
+        tools = ToolRequest(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_call_parser)
+        if tools.structured() is not None:
+            if params.structured_outputs is not None:
+                raise APIError(400, f"tool_choice {tools.mode} cannot be combined with {req.structured_field()}",
+                               param="tool_choice")
+            params.structured_outputs = tools.structured()
         try:  # always off the loop and bounded: even the model's own template loops over any number of messages
             prompt_text, ids = await run_with_deadline(self.chat_prompt, self.chat_template_timeout, req)
         except DeadlineExceeded:
@@ -456,17 +471,22 @@ class OpenAIServing:
         created, response_id = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             return StreamingResponse(self._guard(self._stream_chat(req, streams, ids, model, created, response_id,
-                                                                   timer)), media_type="text/event-stream")
+                                                                   timer, tools)), media_type="text/event-stream")
         choices = [Choice(i) for i in range(params.n)]
         cached = await self._collect(raw, streams, params.n, choices, timer)
         body_choices = []
         for c in choices:
-            message = {"role": "assistant", "content": c.text}
+            message, finish_reason = {"role": "assistant", "content": c.text}, c.finish_reason
+            if tools.active:
+                content, calls = tools.split(c.text)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": tool_calls_message(calls)}
+                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
             if c.reasoning:
                 message["reasoning"] = message["reasoning_content"] = c.reasoning
             choice = {"index": c.index, "message": message,
                       "logprobs": self.chat_logprobs(c.logprobs) if params.logprobs is not None else None,
-                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                      "finish_reason": finish_reason, "stop_reason": c.stop_reason}
             if req.return_token_ids:
                 choice["token_ids"] = c.token_ids
             body_choices.append(choice)
@@ -479,11 +499,12 @@ class OpenAIServing:
             body["prompt_logprobs"] = self.prompt_logprobs(ids, choices[0].prompt_logprobs)
         return JSONResponse(body)
 
-    async def _stream_chat(self, req, streams, ids, model, created, response_id, timer):
+    async def _stream_chat(self, req, streams, ids, model, created, response_id, timer, tools: ToolRequest):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = include_usage and req.stream_options.continuous_usage_stats
         head = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model}
         completion_tokens, cached = 0, [0]
+        tool_streams = [tools.stream() for _ in range(req.n)] if tools.active else None
         for index in range(req.n):
             chunk = {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None}]}
@@ -495,12 +516,21 @@ class OpenAIServing:
             cached[0] = max(cached[0], delta.num_cached_tokens)
             if not delta.text and not delta.reasoning and not delta.finished and not delta.logprobs:
                 continue
+            text, calls, finish_reason = delta.text, [], delta.finish_reason
+            if tool_streams is not None:  # content that cannot become a call, and the calls' deltas
+                text, calls = tool_streams[index].feed(delta.text, delta.finished)
+                if delta.finished and finish_reason == "stop" and tool_streams[index].has_calls:
+                    finish_reason = "tool_calls"
+                if not text and not calls and not delta.reasoning and not delta.finished and not delta.logprobs:
+                    continue
             message = {}
             if delta.reasoning:
                 message["reasoning"] = message["reasoning_content"] = delta.reasoning
-            if delta.text or not delta.reasoning:
-                message["content"] = delta.text
-            choice = {"index": index, "delta": message, "logprobs": None, "finish_reason": delta.finish_reason}
+            if text or not (delta.reasoning or calls):
+                message["content"] = text
+            if calls:
+                message["tool_calls"] = calls
+            choice = {"index": index, "delta": message, "logprobs": None, "finish_reason": finish_reason}
             if delta.finished:
                 choice["stop_reason"] = delta.stop_reason
             if delta.logprobs:
