@@ -122,3 +122,37 @@ def test_bad_tool_requests_are_400_naming_the_field(server, body, param):
                        json={"messages": MESSAGES, "max_tokens": 4, "stream": stream, **body})
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == param, r.text
+
+
+def _few_shot_history():
+    """Three earlier turns in which the assistant called get_weather: SmolLM2 then writes a call itself."""
+    history = []
+    for i, city in enumerate(["Rome", "Berlin", "Madrid"]):
+        call = {"id": f"c{i}", "type": "function",
+                "function": {"name": "get_weather", "arguments": json.dumps({"city": city, "unit": "celsius"})}}
+        history += [{"role": "user", "content": f"What is the weather in {city}?"},
+                    {"role": "assistant", "content": "", "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": f"c{i}", "content": "sunny"},
+                    {"role": "assistant", "content": f"It is sunny in {city}."}]
+    return history + [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_auto_choice_calls_the_model_writes_are_well_formed_by_the_lazy_grammar(client):
+    """tool_choice auto (the default with --tool-call-parser): the text is free until `<tool_call>`, then a
+    grammar holds the call to a known tool and its schema; streamed, the deltas add up to the same call."""
+    model = client.models.list().data[0].id
+    history, made = _few_shot_history(), 0
+    for seed in (0, 1, 2, 3):
+        kw = dict(model=model, messages=history, tools=[WEATHER, TIME], max_tokens=60, seed=seed,
+                  temperature=0 if seed == 0 else 1.0)
+        whole = client.chat.completions.create(**kw).choices[0]
+        for call in whole.message.tool_calls or []:
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        if whole.message.tool_calls:
+            made += 1
+            assert whole.finish_reason == "tool_calls" and "<tool_call>" not in (whole.message.content or "")
+            content, calls, finish = _accumulate(client.chat.completions.create(**kw, stream=True))
+            assert finish == "tool_calls" and content == (whole.message.content or "")
+            assert [(c["name"], c["arguments"]) for c in calls] == [
+                (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert made >= 2

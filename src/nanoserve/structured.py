@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import msgspec
 
-STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 GRAMMAR_CACHE_BYTES = 256 << 20  # compiled grammars kept by xgrammar's compiler, by their text
 
 
@@ -21,6 +21,9 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, forbid
     choice: Optional[list[str]] = None
     grammar: Optional[str] = None
     json_object: bool = False
+    # xgrammar's structural tag (a dict or its JSON text): free text in which each trigger starts a tag whose
+    # content follows a schema; tool calling's lazy grammar for tool_choice auto.
+    structural_tag: Any = None
     disable_any_whitespace: bool = False
     whitespace_pattern: Optional[str] = None
     # The output is free text until this text has been generated (a reasoning parser's end tag): the
@@ -44,6 +47,8 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, forbid
             self.schema()
         elif kind == "choice" and not all(isinstance(c, str) and c for c in self.choice):
             raise ValueError("choice must be a non-empty list of non-empty strings")
+        elif kind == "structural_tag" and not isinstance(self.structural_tag, (dict, str)):
+            raise ValueError("structural_tag must be an object or its JSON text")
         elif kind in ("regex", "grammar") and not isinstance(getattr(self, kind), str):
             raise ValueError(f"{kind} must be a string")
         return kind
@@ -90,6 +95,9 @@ class GrammarBackend:
                 return c.compile_json_schema(json.dumps(schema), **compact)
             if kind == "regex":
                 return c.compile_regex(spec.regex)
+            if kind == "structural_tag":
+                tag = spec.structural_tag
+                return c.compile_structural_tag(tag if isinstance(tag, str) else json.dumps(tag))
             if kind == "choice":
                 return c.compile_grammar("root ::= " + " | ".join(json.dumps(s, ensure_ascii=False) for s in spec.choice))
             return c.compile_grammar(spec.grammar)

@@ -119,6 +119,11 @@ def json_list_calls(text: str, final: bool, pos: int = 0) -> Optional[list[Parse
 class ToolParser:
     name = ""
     start_tag = ""  # the text that opens tool calls (the trigger of a lazy grammar)
+    trigger = ""  # the text on which the lazy grammar engages ("" for none)
+
+    def call_tag(self, name: str) -> Optional[tuple[str, str]]:
+        """The text around the arguments of a call of `name` (a structural tag's begin and end), or None."""
+        return None
 
     def parse(self, text: str, final: bool) -> Parsed:
         raise NotImplementedError
@@ -127,7 +132,10 @@ class ToolParser:
 class HermesToolParser(ToolParser):
     """`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, any number, with content around them
     (Hermes 2 Pro, Qwen2.5, Qwen3)."""
-    name, start_tag, end_tag = "hermes", "<tool_call>", "</tool_call>"
+    name, start_tag, end_tag, trigger = "hermes", "<tool_call>", "</tool_call>", "<tool_call>"
+
+    def call_tag(self, name: str) -> tuple[str, str]:
+        return f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": ', "}\n</tool_call>"
 
     def parse(self, text: str, final: bool) -> Parsed:
         out, pos = Parsed(""), 0
@@ -163,7 +171,10 @@ class HermesToolParser(ToolParser):
 class Llama3JsonToolParser(ToolParser):
     """Llama 3.1/3.2: the answer is one or more `{"name": ..., "parameters": {...}}` objects separated by `;`,
     optionally after `<|python_tag|>`; an answer that does not start so is content."""
-    name, start_tag = "llama3_json", "<|python_tag|>"
+    name, start_tag, trigger = "llama3_json", "<|python_tag|>", '{"name": "'
+
+    def call_tag(self, name: str) -> tuple[str, str]:
+        return f'{{"name": {json.dumps(name)}, "parameters": ', "}"
 
     def parse(self, text: str, final: bool) -> Parsed:
         body = text.lstrip()

@@ -264,7 +264,7 @@ class ChatCompletionRequest(SamplingFields):
 
     def structured_field(self) -> Optional[str]:
         field = super().structured_field()
-        if field is None and (self.tool_choice == "required" or isinstance(self.tool_choice, dict)):
+        if field is None and self.tools and self.tool_choice != "none":
             return "tools"  # the tools' parameter schemas became the constraint
         return field
 

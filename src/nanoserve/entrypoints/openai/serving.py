@@ -445,7 +445,7 @@ class OpenAIServing:
         model = self.check_model(req.model)
         params = req.to_sampling_params()
         tools = ToolRequest(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_call_parser)
-        if tools.structured() is not None:
+        if tools.structured() is not None and not (tools.mode == "auto" and params.structured_outputs is not None):
             if params.structured_outputs is not None:
                 raise APIError(400, f"tool_choice {tools.mode} cannot be combined with {req.structured_field()}",
                                param="tool_choice")

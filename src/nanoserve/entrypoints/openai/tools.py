@@ -79,7 +79,16 @@ class ToolRequest:
 
     def structured(self) -> Optional[StructuredOutputs]:
         """The constraint of `required` and named choices: the call's arguments, or a list of calls, follow
-        the tools' parameter schemas."""
+        the tools' parameter schemas. For `auto`, a lazy grammar: the text is free until the parser's trigger,
+        then the call is held to a known tool and its schema, as llama.cpp does."""
+        if self.mode == "auto" and self.parser.trigger:
+            tags = []
+            for name, params in self.functions.items():
+                begin, end = self.parser.call_tag(name)
+                tags.append({"type": "tag", "begin": begin, "end": end,
+                             "content": {"type": "json_schema", "json_schema": params}})
+            return StructuredOutputs(structural_tag={"type": "structural_tag", "format": {
+                "type": "triggered_tags", "triggers": [self.parser.trigger], "tags": tags}})
         if self.mode == "named":
             return StructuredOutputs(json=self.functions[self.named])
         if self.mode != "required":
