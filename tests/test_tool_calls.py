@@ -156,3 +156,17 @@ def test_auto_choice_calls_the_model_writes_are_well_formed_by_the_lazy_grammar(
             assert [(c["name"], c["arguments"]) for c in calls] == [
                 (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
     assert made >= 2
+
+
+def test_bench_serve_chat_and_tool_requests(server):
+    """`bench serve --chat-tools none|required` against this server: every request streams its full output
+    (as content, or as the arguments of its call)."""
+    import asyncio
+
+    from nanoserve.bench.serve import run
+
+    for mode in ("none", "required"):
+        report = asyncio.run(run(server.url, None, concurrency=2, num_prompts=2, input_len=10, output_len=8,
+                                 ban={0: -100, 2: -100}, chat_tools=mode))
+        assert report["failed"] == 0, report["errors"]
+        assert report["output_tok_per_s"] * report["wall_s"] == pytest.approx(2 * 8)

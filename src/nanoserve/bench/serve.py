@@ -1,6 +1,6 @@
 """`nanoserve bench serve --url URL`: an async load generator for any OpenAI-compatible server.
-Streams `/v1/completions` with random prompts of a given length and a fixed output length (EOS ignored
-and banned), `--concurrency` requests in flight, and reports requests/s, output tokens/s, time to first
+Streams `/v1/completions` (or chat, plain or calling a tool: `--chat-tools`) with random prompts of a
+given length and a fixed output length (EOS ignored and banned), `--concurrency` requests in flight, and reports requests/s, output tokens/s, time to first
 token and inter-token latency (p50/p99); for nanoserve also the engine core's idle share. The client is
 aiohttp, light on CPU: on a small machine the load generator shares the cores with the server."""
 from __future__ import annotations
@@ -44,11 +44,37 @@ def bench_schema(index: Optional[int]) -> dict:
     return {"type": "array", "items": {"type": "string", "maxLength": 12 + (index or 0)}, "minItems": 1000}
 
 
+def bench_tool() -> dict:
+    """The tool of `--chat-tools required` requests: its arguments hold `bench_schema`'s list, so that every
+    call runs to max_tokens like the plain requests."""
+    return {"type": "function", "function": {"name": "record", "description": "Record a list of phrases",
+                                             "parameters": {"type": "object", "properties": {"items": bench_schema(None)},
+                                                            "required": ["items"], "additionalProperties": False}}}
+
+
+def chunk_text(payload: dict) -> str:
+    """The generated text of one SSE chunk: completion text, chat content or tool-call arguments."""
+    text = ""
+    for c in payload.get("choices") or ():
+        delta = c.get("delta") or {}
+        text += c.get("text") or delta.get("content") or ""
+        text += "".join((t.get("function") or {}).get("arguments") or "" for t in delta.get("tool_calls") or ())
+    return text
+
+
 async def one_request(http: aiohttp.ClientSession, url: str, model: Optional[str], prompt: str, output_len: int,
-                      ban: dict, schema: Optional[dict] = None) -> Result:
-    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True,
+                      ban: dict, schema: Optional[dict] = None, chat_tools: Optional[str] = None) -> Result:
+    """`chat_tools`: None for /v1/completions; "none" for a plain chat request, "required" for one that
+    must call `bench_tool`."""
+    body = {"max_tokens": output_len, "temperature": 0, "stream": True,
             "ignore_eos": True, "min_tokens": output_len, "logit_bias": ban,
             "stream_options": {"include_usage": True}}
+    if chat_tools is None:
+        body["prompt"] = prompt
+    else:
+        body["messages"] = [{"role": "user", "content": prompt}]
+        if chat_tools == "required":
+            body["tools"], body["tool_choice"] = [bench_tool()], "required"
     if schema is not None:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}
     if model:
@@ -56,7 +82,8 @@ async def one_request(http: aiohttp.ClientSession, url: str, model: Optional[str
     start = time.perf_counter()
     result, last, chunks = Result(ok=True), None, 0
     try:
-        async with http.post(f"{url}/v1/completions", json=body) as r:
+        async with http.post(f"{url}/v1/{'completions' if chat_tools is None else 'chat/completions'}",
+                             json=body) as r:
             if r.status != 200:
                 return Result(ok=False, error=f"HTTP {r.status}: {(await r.read())[:200]!r}")
             async for raw in r.content:  # one SSE line at a time
@@ -66,7 +93,7 @@ async def one_request(http: aiohttp.ClientSession, url: str, model: Optional[str
                 payload = json.loads(line[6:])
                 if payload.get("usage"):
                     result.output_tokens = payload["usage"].get("completion_tokens", 0)
-                if not any(c.get("text") for c in payload.get("choices") or ()):
+                if not chunk_text(payload):
                     continue
                 now = time.perf_counter()
                 chunks += 1
@@ -101,7 +128,8 @@ async def engine_idle_seconds(http: aiohttp.ClientSession, url: str) -> Optional
 
 
 async def run(url: str, model: Optional[str], concurrency: int, num_prompts: int, input_len: int, output_len: int,
-              ban: dict, seed: int = 0, schema_share: float = 0.0, distinct_schemas: bool = False) -> dict:
+              ban: dict, seed: int = 0, schema_share: float = 0.0, distinct_schemas: bool = False,
+              chat_tools: Optional[str] = None) -> dict:
     """`schema_share`: the fraction of requests (spread evenly) sent with a JSON schema (`bench_schema`)."""
     rng = random.Random(seed)
     prompts = [make_prompt(rng, input_len) for _ in range(num_prompts)]
@@ -113,7 +141,7 @@ async def run(url: str, model: Optional[str], concurrency: int, num_prompts: int
                                      connector=aiohttp.TCPConnector(limit=concurrency + 8, force_close=True)) as http:
         async def limited(p, schema):
             async with semaphore:
-                return await one_request(http, url, model, p, output_len, ban, schema)
+                return await one_request(http, url, model, p, output_len, ban, schema, chat_tools)
 
         idle_before = await engine_idle_seconds(http, url)
         if idle_before is not None:
@@ -162,6 +190,9 @@ def main(argv=None) -> None:
                     help="fraction of requests sent with response_format json_schema (0 to 1)")
     ap.add_argument("--distinct-schemas", action="store_true",
                     help="each structured request a schema of its own (its grammar compiled first-seen)")
+    ap.add_argument("--chat-tools", choices=("none", "required"), default=None,
+                    help="chat requests instead of completions: plain (none), or each calling a tool (required; "
+                         "needs a template that renders tools, e.g. --chat-template chatml-tools)")
     ap.add_argument("--json", action="store_true", help="print one JSON line per level")
     args = ap.parse_args(argv)
     ban = {t: -100 for t in args.ban_token_ids.split(",") if t}
@@ -171,7 +202,7 @@ def main(argv=None) -> None:
     for level in [int(c) for c in args.concurrency.split(",")]:
         report = asyncio.run(run(args.url.rstrip("/"), args.model, level, args.num_prompts or 2 * level,
                                  args.input_len, args.output_len, ban, schema_share=args.json_schema_share,
-                                 distinct_schemas=args.distinct_schemas))
+                                 distinct_schemas=args.distinct_schemas, chat_tools=args.chat_tools))
         report["label"] = args.label
         if args.json:
             print(json.dumps(report), flush=True)
