@@ -24,6 +24,8 @@ Int64 = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 MAX_MESSAGES = 4096  # a million empty messages (a 32 MiB body) held the event loop 5 s in validation
 MAX_TOOLS = 128  # OpenAI's limit
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}  # vLLM's older spellings -> StructuredOutputs kinds
 MAX_PROMPT_TOKEN_IDS = 1 << 20  # in all the prompts of one request; 11M (32 MiB) took 10 s to validate
 MAX_PROMPTS = 4096  # prompts in one completions request
 
@@ -122,8 +124,7 @@ class SamplingFields(OpenAIModel):
         """The request field that asks for structured outputs (errors found by the engine name it)."""
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
             return "response_format"
-        return next((name for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                                       "guided_grammar") if getattr(self, name) is not None), None)
+        return next((name for name in ("structured_outputs", *GUIDED_FIELDS) if getattr(self, name) is not None), None)
 
     def structured_spec(self) -> Optional[StructuredOutputs]:
         """The one structured-outputs request among the fields, with the checks that need no grammar engine
@@ -147,8 +148,7 @@ class SamplingFields(OpenAIModel):
                 given["structured_outputs"] = msgspec.convert(self.structured_outputs, StructuredOutputs)
             except msgspec.ValidationError as exc:
                 raise ValueError(f"structured_outputs: {exc}") from None
-        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-                          ("guided_grammar", "grammar")):
+        for name, key in GUIDED_FIELDS.items():
             value = getattr(self, name)
             if value is not None:
                 given[name] = StructuredOutputs(**{key: value}, whitespace_pattern=self.guided_whitespace_pattern)

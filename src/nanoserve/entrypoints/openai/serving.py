@@ -445,11 +445,12 @@ class OpenAIServing:
         model = self.check_model(req.model)
         params = req.to_sampling_params()
         tools = ToolRequest(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_call_parser)
-        if tools.structured() is not None and not (tools.mode == "auto" and params.structured_outputs is not None):
+        tool_spec = tools.structured()  # built once: for auto it holds every tool's schema
+        if tool_spec is not None and not (tools.mode == "auto" and params.structured_outputs is not None):
             if params.structured_outputs is not None:
                 raise APIError(400, f"tool_choice {tools.mode} cannot be combined with {req.structured_field()}",
                                param="tool_choice")
-            params.structured_outputs = tools.structured()
+            params.structured_outputs = tool_spec
         try:  # always off the loop and bounded: even the model's own template loops over any number of messages
             prompt_text, ids = await run_with_deadline(self.chat_prompt, self.chat_template_timeout, req)
         except DeadlineExceeded:
