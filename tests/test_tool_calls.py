@@ -124,6 +124,36 @@ def test_bad_tool_requests_are_400_naming_the_field(server, body, param):
         assert r.json()["error"]["param"] == param, r.text
 
 
+# The llama.cpp server suite's tool tests that need no particular model (test_tool_call.py,
+# test_completion_without_tool_call_fast): no tools, tools with tool_choice null, tool_choice "none".
+TEST_TOOL = {"type": "function", "function": {"name": "test", "description": "", "parameters": {
+    "type": "object", "properties": {"success": {"type": "boolean", "const": True}}, "required": ["success"]}}}
+PYTHON_TOOL = {"type": "function", "function": {
+    "name": "python", "description": "Runs code in an ipython interpreter and returns the result of the execution.",
+    "parameters": {"type": "object", "properties": {"code": {"type": "string", "description": "The code to run."}},
+                   "required": ["code"]}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("tools,tool_choice", [([], None), ([TEST_TOOL], None), ([PYTHON_TOOL], "none")])
+def test_completion_without_tool_call(server, tools, tool_choice, stream):
+    body = {"max_tokens": 128, "stream": stream, "tools": tools or None, "tool_choice": tool_choice,
+            "messages": [{"role": "system", "content": "You are a coding assistant."},
+                         {"role": "user", "content": "say hello world with python"}]}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    if not stream:
+        (choice,) = r.json()["choices"]
+        assert choice["message"].get("tool_calls") is None and choice["message"]["content"]
+        assert choice["finish_reason"] in ("stop", "length")
+        return
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    deltas = [c["choices"][0] for c in chunks if c["choices"]]
+    assert not any(d["delta"].get("tool_calls") for d in deltas)
+    assert "".join(d["delta"].get("content") or "" for d in deltas)
+    assert deltas[-1]["finish_reason"] in ("stop", "length")
+
+
 def _few_shot_history():
     """Three earlier turns in which the assistant called get_weather: SmolLM2 then writes a call itself."""
     history = []
@@ -142,10 +172,12 @@ def test_auto_choice_calls_the_model_writes_are_well_formed_by_the_lazy_grammar(
     grammar holds the call to a known tool and its schema; streamed, the deltas add up to the same call."""
     model = client.models.list().data[0].id
     history, made = _few_shot_history(), 0
-    for seed in (0, 1, 2, 3):
+    for seed in (0, 1, 2, 3, 4):
         kw = dict(model=model, messages=history, tools=[WEATHER, TIME], max_tokens=60, seed=seed,
-                  temperature=0 if seed == 0 else 1.0)
+                  temperature=0 if seed == 0 else 1.0, parallel_tool_calls=seed != 4)
         whole = client.chat.completions.create(**kw).choices[0]
+        if seed == 4:  # parallel_tool_calls false: the grammar ends the answer after its first call
+            assert len(whole.message.tool_calls or []) <= 1
         for call in whole.message.tool_calls or []:
             jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
         if whole.message.tool_calls:
@@ -156,6 +188,32 @@ def test_auto_choice_calls_the_model_writes_are_well_formed_by_the_lazy_grammar(
             assert [(c["name"], c["arguments"]) for c in calls] == [
                 (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
     assert made >= 2
+
+
+def test_parallel_calls_under_auto_are_all_returned(client):
+    """Two calls in one answer (the model continues a two-call pattern it was shown): both come back, in order,
+    streamed and not; with parallel_tool_calls false only the first is made."""
+    model = client.models.list().data[0].id
+    history = []
+    for i, (a, b) in enumerate([("Rome", "Berlin"), ("Madrid", "Oslo"), ("Lima", "Quito")]):
+        calls = [{"id": f"c{i}{j}", "type": "function",
+                  "function": {"name": "get_weather", "arguments": json.dumps({"city": c, "unit": "celsius"})}}
+                 for j, c in enumerate((a, b))]
+        history += [{"role": "user", "content": f"What is the weather in {a} and in {b}?"},
+                    {"role": "assistant", "content": "", "tool_calls": calls}]
+    history.append({"role": "user", "content": "What is the weather in Paris and in Vienna?"})
+    kw = dict(model=model, messages=history, tools=[WEATHER, TIME], max_tokens=90, temperature=0)
+    whole = client.chat.completions.create(**kw).choices[0]
+    calls = whole.message.tool_calls or []
+    assert len(calls) == 2 and whole.finish_reason == "tool_calls", whole.message
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    assert len({c.id for c in calls}) == 2
+    content, streamed, finish = _accumulate(client.chat.completions.create(**kw, stream=True))
+    assert finish == "tool_calls" and [(c["name"], c["arguments"]) for c in streamed] == [
+        (c.function.name, c.function.arguments) for c in calls]
+    one = client.chat.completions.create(**kw, parallel_tool_calls=False).choices[0]
+    assert [c.function.arguments for c in one.message.tool_calls] == [calls[0].function.arguments]
 
 
 def test_bench_serve_chat_and_tool_requests(server):

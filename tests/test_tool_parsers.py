@@ -35,6 +35,16 @@ CASES = [
      [("get_weather", {"city": "Rome"}), ("get_time", {})]),
     ("mistral", "Plain [TOOL answer.", "Plain [TOOL answer.", []),
     ("mistral", "[TOOL_CALLS][oops", "[TOOL_CALLS][oops", []),
+    ("pythonic", '[get_weather(city="Paris", unit="celsius")]', "",
+     [("get_weather", {"city": "Paris", "unit": "celsius"})]),
+    ("pythonic", "<|python_start|>[get_weather(city='Rome (IT)', days=[1, 2], opts={'x': None, 'y': True}), "
+                 "get_time()]<|python_end|>", "",
+     [("get_weather", {"city": "Rome (IT)", "days": [1, 2], "opts": {"x": None, "y": True}}), ("get_time", {})]),
+    ("pythonic", "[1, 2, 3] are the first numbers.", "[1, 2, 3] are the first numbers.", []),
+    ("pythonic", "I would call get_weather(city='Paris').", "I would call get_weather(city='Paris').", []),
+    ("pythonic", "[get_weather('Paris')]", "[get_weather('Paris')]", []),  # positional: not a call
+    ("pythonic", "[get_weather(city=input())]", "[get_weather(city=input())]", []),  # not a literal
+    ("pythonic", "[get_weather(city='Paris')", "[get_weather(city='Paris')", []),  # the list never closes
 ]
 
 
@@ -67,9 +77,9 @@ def test_whole_text_parse(parser_name, text, content, calls):
 
 
 # A stream commits to a call once its name and arguments key are written (its first delta has gone out), so
-# the two malformed cases that get that far are left out here (a grammar that engages at the start tag is
+# the malformed cases that get that far (a pythonic call closed, then the list broken) are left out here (a grammar that engages at the start tag is
 # what will keep a started call well-formed: issue 17, item 4).
-STREAMED = [c for c in CASES if c[3] or not re.search(r'"name": "\w+", "(arguments|parameters)"', c[1])]
+STREAMED = [c for c in CASES if c[3] or not re.search(r'"name": "\w+", "(arguments|parameters)"|^\[\w+\(\w+=.*\)', c[1])]
 
 
 @pytest.mark.parametrize("parser_name,text,content,calls", STREAMED)
@@ -88,5 +98,43 @@ def test_streamed_deltas_add_up_to_the_whole_parse(parser_name, text, content, c
 
 
 def test_unknown_parser_is_a_clear_error():
-    with pytest.raises(ValueError, match="hermes, llama3_json, mistral"):
+    with pytest.raises(ValueError, match="hermes, llama3_json, mistral, pythonic"):
         make_tool_parser("qwen9")
+
+
+GET_WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("parser_name,parallel,text,accepted", [
+    ("hermes", True, 'Let me see.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
+                     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>', True),
+    ("hermes", True, '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', False),  # unknown tool
+    ("hermes", True, '<tool_call>\n{"name": "get_weather", "arguments": {"town": "Rome"}}\n</tool_call>', False),
+    ("hermes", False, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n<tool_call>',
+     False),  # parallel_tool_calls false: nothing after the first call
+    ("llama3_json", True, '{"name": "get_weather", "parameters": {"city": "Rome"}}', True),
+    ("mistral", True, 'Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome"}}, '
+                      '{"name": "get_weather", "arguments": {"city": "Oslo"}}]', True),
+    ("mistral", False, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}}, '
+                       '{"name": "get_weather", "arguments": {"city": "Oslo"}}]', False),
+    ("mistral", True, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": 3}}]', False),
+    ("mistral", True, "Plain text with no call.", True),
+])
+def test_lazy_grammar_holds_a_started_call_to_known_tools(parser_name, parallel, text, accepted):
+    """tool_choice auto: xgrammar compiles each parser's triggered tags; text before the trigger is free and
+    a call after it must name a known tool with arguments valid for its schema."""
+    import xgrammar
+
+    from nanoserve.entrypoints.openai.tools import ToolRequest
+
+    spec = ToolRequest([GET_WEATHER], "auto", parallel, parser_name).structured()
+    grammar = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo([])).compile_structural_tag(
+        json.dumps(spec.structural_tag))
+    assert xgrammar.GrammarMatcher(grammar).accept_string(text) == accepted
+
+
+def test_pythonic_has_no_lazy_grammar():
+    from nanoserve.entrypoints.openai.tools import ToolRequest
+
+    assert ToolRequest([GET_WEATHER], "auto", True, "pythonic").structured() is None

@@ -142,8 +142,9 @@ class ServerConfig:
     reasoning_parser: Optional[str] = option(None, "qwen3 or deepseek_r1: reasoning text to its own field")
     chat_template: Optional[str] = option(None, "the chat template: a file, the template text, or chatml-tools "
                                                 "(shipped: ChatML with Hermes tool calls); default: the model's")
-    tool_call_parser: Optional[str] = option(None, "hermes, llama3_json or mistral: tool calls the model writes "
-                                                   "become tool_calls (tool_choice auto, the default with tools)")
+    tool_call_parser: Optional[str] = option(None, "hermes, llama3_json, mistral or pythonic: tool calls the "
+                                                   "model writes become tool_calls (tool_choice auto, the "
+                                                   "default with tools)")
     max_waiting_requests: int = option(0, "503 beyond this many waiting requests (0: no limit)")
     allowed_origins: list[str] = option(help="CORS origin (repeatable, '*' for any)", default_factory=list)
     drain_timeout: float = option(30.0, "seconds SIGTERM waits for in-flight requests")

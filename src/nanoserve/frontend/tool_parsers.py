@@ -1,8 +1,9 @@
 """Tool-call parsers (`--tool-call-parser`): `hermes` (`<tool_call>{json}</tool_call>`), `llama3_json`
-(Llama 3.1/3.2 JSON calls, `;`-separated) and `mistral` (`[TOOL_CALLS]` with a JSON list, or `name[ARGS]{...}`).
-Each parses the text generated so far into content and calls; `ToolCallStream` turns that into deltas."""
+(Llama 3.1/3.2 JSON calls, `;`-separated), `mistral` (`[TOOL_CALLS]` with a JSON list, or `name[ARGS]{...}`) and
+`pythonic` (`[f(x=1), g()]`). Each parses the text so far into content and calls; `ToolCallStream` makes deltas."""
 from __future__ import annotations
 
+import ast
 import json
 import re
 from dataclasses import dataclass, field
@@ -116,14 +117,38 @@ def json_list_calls(text: str, final: bool, pos: int = 0) -> Optional[list[Parse
     return None if final else calls
 
 
+def call_list_schema(functions: dict[str, dict], parallel: bool, args_key: str) -> dict:
+    """The JSON schema of a list of calls `[{"name": ..., args_key: {...}}, ...]` of these tools (name ->
+    parameters schema): one or more calls, at most one unless parallel."""
+    items = [{"type": "object", "properties": {"name": {"const": name}, args_key: params},
+              "required": ["name", args_key], "additionalProperties": False} for name, params in functions.items()]
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
 class ToolParser:
     name = ""
-    start_tag = ""  # the text that opens tool calls (the trigger of a lazy grammar)
+    start_tag = ""  # the text that opens tool calls
     trigger = ""  # the text on which the lazy grammar engages ("" for none)
 
-    def call_tag(self, name: str) -> Optional[tuple[str, str]]:
-        """The text around the arguments of a call of `name` (a structural tag's begin and end), or None."""
-        return None
+    def call_tag(self, name: str) -> tuple[str, str]:
+        """The text around the arguments of a call of `name` (a structural tag's begin and end)."""
+        raise NotImplementedError
+
+    def lazy_grammar(self, functions: dict[str, dict], parallel: bool) -> Optional[dict]:
+        """xgrammar's triggered-tags format for `tool_choice: auto`: free text until the trigger, then a call of
+        a known tool with arguments valid for its schema; one call per trigger. None where there is no trigger."""
+        if not self.trigger:
+            return None
+        tags = []
+        for name, params in functions.items():
+            begin, end = self.call_tag(name)
+            tags.append({"type": "tag", "begin": begin, "end": end,
+                         "content": {"type": "json_schema", "json_schema": params}})
+        # parallel_tool_calls false: the answer ends with its first call
+        return {"type": "triggered_tags", "triggers": [self.trigger], "tags": tags, "stop_after_first": not parallel}
 
     def parse(self, text: str, final: bool) -> Parsed:
         raise NotImplementedError
@@ -208,7 +233,14 @@ class Llama3JsonToolParser(ToolParser):
 class MistralToolParser(ToolParser):
     """Mistral: content, then `[TOOL_CALLS]` and a JSON list of `{"name", "arguments"}` objects (v0.3), or
     `[TOOL_CALLS]name[ARGS]{...}` for each call (v11 tokenizers)."""
-    name, start_tag, args_tag = "mistral", "[TOOL_CALLS]", "[ARGS]"
+    name, start_tag, args_tag, trigger = "mistral", "[TOOL_CALLS]", "[ARGS]", "[TOOL_CALLS]"
+
+    def lazy_grammar(self, functions: dict[str, dict], parallel: bool) -> dict:
+        """After `[TOOL_CALLS]` (and an optional space), one JSON list of calls (v0.3's form), which ends the answer."""
+        calls = {"type": "json_schema", "json_schema": call_list_schema(functions, parallel, "arguments")}
+        tag = {"type": "tag", "begin": self.trigger, "end": "",
+               "content": {"type": "sequence", "elements": [{"type": "regex", "pattern": " ?"}, calls]}}
+        return {"type": "triggered_tags", "triggers": [self.trigger], "tags": [tag], "stop_after_first": True}
 
     def parse(self, text: str, final: bool) -> Parsed:
         k = text.find(self.start_tag)
@@ -249,7 +281,94 @@ class MistralToolParser(ToolParser):
         return calls
 
 
-TOOL_PARSERS = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)}
+def _python_value_end(text: str, start: int, closer: str) -> Optional[int]:
+    """The index of the `closer` that ends the bracketed Python expression opened just before `start`
+    (brackets balanced, '...' and "..." strings skipped), -1 if another bracket closes it, or None while
+    it is still open."""
+    depth, quote, escaped = 0, "", False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if quote:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == quote:
+                quote = ""
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            if depth == 0:
+                return i if ch == closer else -1
+            depth -= 1
+    return None
+
+
+_PY_CALL_HEAD = re.compile(r"\s*([A-Za-z_][\w.]*)\s*\(")
+_PY_NAME = re.compile(r"[A-Za-z_][\w.]*")
+
+
+def _python_call(source: str) -> Optional[ParsedCall]:
+    """`name(key=literal, ...)` as a call with JSON arguments; None when it is not one (positional arguments,
+    values that are not literals)."""
+    try:
+        node = ast.parse(source.strip(), mode="eval").body
+        if not isinstance(node, ast.Call) or node.args or any(kw.arg is None for kw in node.keywords):
+            return None
+        args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+        return ParsedCall(ast.unparse(node.func), json.dumps(args, ensure_ascii=False))
+    except (SyntaxError, ValueError, TypeError, RecursionError):
+        return None
+
+
+class PythonicToolParser(ToolParser):
+    """Llama 3.2 / Llama 4 pythonic calls: the whole answer is a Python list of calls with keyword arguments,
+    `[get_weather(city="Paris"), get_time()]`, optionally between `<|python_start|>` and `<|python_end|>`.
+    Argument values are Python literals, returned as JSON; an answer that is not such a list is content."""
+    name, start_tag, end_tag = "pythonic", "<|python_start|>", "<|python_end|>"
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        body = text.lstrip()
+        if body.startswith(self.start_tag):
+            body = body[len(self.start_tag):]
+        elif not final and (not body or self.start_tag.startswith(body)):
+            return Parsed("")
+        pos = _SPACE.match(body).end()
+        if pos == len(body) and not final:
+            return Parsed("")
+        if not body.startswith("[", pos):
+            return Parsed(text)
+        calls, pos = [], pos + 1
+        while True:  # at the start of a call
+            head = _PY_CALL_HEAD.match(body, pos)
+            if head is None:
+                rest = body[pos:].strip()
+                if not final and (not rest or _PY_NAME.fullmatch(rest)):  # a name being written
+                    return Parsed("", calls)
+                # `[` then not a call: content (held while calls were already streamed, as it cannot be undone)
+                return Parsed(text) if final or not calls else Parsed("", calls)
+            close = _python_value_end(body, head.end(), ")")
+            call = _python_call(body[pos:close + 1]) if close is not None and close >= 0 else None
+            if call is None:
+                return Parsed(text) if final else Parsed("", calls)
+            calls.append(call)
+            pos = _SPACE.match(body, close + 1).end()
+            if body.startswith(",", pos):
+                pos += 1
+            elif body.startswith("]", pos):
+                tail = body[pos + 1:].strip()
+                if tail in ("", self.end_tag) or (not final and self.end_tag.startswith(tail)):
+                    return Parsed("", calls)
+                return Parsed(text) if final else Parsed("", calls)
+            elif pos == len(body) and not final:
+                return Parsed("", calls)
+            else:
+                return Parsed(text) if final else Parsed("", calls)
+
+
+TOOL_PARSERS = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser)}
 
 
 def make_tool_parser(name: str) -> ToolParser:

@@ -8,7 +8,7 @@ import uuid
 from typing import Any, Optional
 
 from nanoserve.frontend.tool_parsers import (CallDelta, Parsed, ParsedCall, ToolCallStream, ToolParser,
-                                             json_list_calls, make_tool_parser)
+                                             call_list_schema, json_list_calls, make_tool_parser)
 from nanoserve.structured import StructuredOutputs
 
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -81,25 +81,14 @@ class ToolRequest:
         """The constraint of `required` and named choices: the call's arguments, or a list of calls, follow
         the tools' parameter schemas. For `auto`, a lazy grammar: the text is free until the parser's trigger,
         then the call is held to a known tool and its schema, as llama.cpp does."""
-        if self.mode == "auto" and self.parser.trigger:
-            tags = []
-            for name, params in self.functions.items():
-                begin, end = self.parser.call_tag(name)
-                tags.append({"type": "tag", "begin": begin, "end": end,
-                             "content": {"type": "json_schema", "json_schema": params}})
-            return StructuredOutputs(structural_tag={"type": "structural_tag", "format": {
-                "type": "triggered_tags", "triggers": [self.parser.trigger], "tags": tags}})
+        if self.mode == "auto":
+            lazy = self.parser.lazy_grammar(self.functions, self.parallel)
+            return None if lazy is None else StructuredOutputs(structural_tag={"type": "structural_tag", "format": lazy})
         if self.mode == "named":
             return StructuredOutputs(json=self.functions[self.named])
         if self.mode != "required":
             return None
-        items = [{"type": "object", "properties": {"name": {"const": name}, "parameters": params},
-                  "required": ["name", "parameters"], "additionalProperties": False}
-                 for name, params in self.functions.items()]
-        schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
-        if not self.parallel:
-            schema["maxItems"] = 1
-        return StructuredOutputs(json=schema)
+        return StructuredOutputs(json=call_list_schema(self.functions, self.parallel, "parameters"))
 
     def split(self, text: str) -> tuple[Optional[str], list[ParsedCall]]:
         """A whole answer as (content, calls); content None when the answer is only calls."""
