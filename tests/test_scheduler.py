@@ -228,3 +228,20 @@ def test_colliding_prefix_keys_never_reuse_another_prompts_blocks(monkeypatch):
     sched.add_request(req("e", p + y + [55], max_tokens=1))
     out, _ = run_all(sched, runner)  # the fake runner checks every request reads its own tokens back
     assert out["d"].num_cached_tokens == 0 and out["e"].num_cached_tokens == 4
+
+
+def test_a_prefix_hit_holds_only_the_blocks_its_tokens_need():
+    """A prompt that finds c cached blocks takes those and only the blocks past them (it once also took c
+    new ones, which wasted the pool and could leave a preempted request unable to resume in a tight pool)."""
+    sched, runner = make(num_blocks=16, block_size=4)
+    prompt = list(range(1, 14))  # 13 tokens: 3 full blocks, then 1 token
+    first = req("a", prompt, max_tokens=1)
+    sched.add_request(first)
+    run_all(sched, runner)
+    again = req("b", prompt, max_tokens=3)
+    sched.add_request(again)
+    so = sched.schedule()
+    assert so.requests == [again] and again.num_computed_tokens == 12
+    assert len(again.block_ids) == 4  # 3 cached + 1 for tokens 12..13
+    run_all(sched, runner)
+    assert sched.block_manager.num_free_blocks == 16

@@ -580,7 +580,7 @@ GUARDED = ("--api-key", "k1", "--api-key", "k2", "--max-num-seqs", "1", "--max-w
 
 @pytest.fixture(scope="module")
 def guarded_server():
-    proc = ServerProcess(*GUARDED)
+    proc = ServerProcess(*GUARDED, "--speculative-ngram", "4")  # one stream at a time: where drafts pay
     yield proc
     proc.stop()
 
@@ -620,6 +620,35 @@ def test_reasoning_parser_fields(guarded_server):
     plain = client.chat.completions.create(extra_body={"chat_template_kwargs": {"enable_thinking": False}},
                                            **kw).choices[0].message
     assert plain.content == message.model_extra["reasoning"] and not plain.model_extra.get("reasoning")
+
+
+def test_speculative_decoding_streams_what_it_answers(guarded_server):
+    """--speculative-ngram 4 on a text SmolLM2 copies: drafts are accepted (/metrics), several tokens a step
+    stream without a stop string's piece leaking, and the stream equals the whole answer, logprobs and
+    usage included, greedy and seeded."""
+    client = openai.OpenAI(base_url=f"{guarded_server.url}/v1", api_key="k1", max_retries=0)
+    fruit = "apples, pears, plums, cherries, grapes, lemons, melons, figs, dates, limes"
+    accepted = guarded_server.metric("nanoserve:spec_decode_num_accepted_tokens", 0.0)
+    for extra in ({"temperature": 0}, {"temperature": 0.8, "seed": 5}, {"temperature": 0, "stop": ["melons"]}):
+        kw = dict(model=client.models.list().data[0].id, prompt=f"List: {fruit}.\nThe same list again: {fruit}.\nAnd once more: ",
+                  max_tokens=48, logprobs=2, **extra)
+        whole = client.completions.create(**kw)
+        chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+        choice = whole.choices[0]
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+        assert [t for c in chunks if c.choices for t in c.choices[0].logprobs.tokens] == choice.logprobs.tokens
+        assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+            [choice.finish_reason]
+        assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == len(choice.logprobs.tokens)
+        if "stop" in extra:
+            assert choice.finish_reason == "stop" and "melons" not in choice.text and "melo" not in choice.text[-6:]
+        else:
+            assert choice.finish_reason == "length" and whole.usage.completion_tokens == 48
+    deadline = time.monotonic() + 10  # engine gauges arrive with its next stats
+    while (now := guarded_server.metric("nanoserve:spec_decode_num_accepted_tokens")) - accepted < 20 \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert now - accepted >= 20 and guarded_server.metric("nanoserve:spec_decode_num_draft_tokens") >= now
 
 
 def cpu_seconds(pids: list[int]) -> float:

@@ -77,6 +77,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = option(2048, "token budget of one engine step (chunked prefill beyond it)")
     max_num_seqs: int = option(128, "requests running at once")
     max_model_len: int = option(0, "context length served (0: the model's own)")
+    speculative_ngram: int = option(0, "speculative decoding: draft up to K tokens per step from each request's own "
+                                       "prompt and output (n-gram lookup) and verify them in one step; greedy text "
+                                       "and seeded samples stay the same (0: off)")
 
 
 @dataclass(frozen=True)

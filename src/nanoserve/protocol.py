@@ -61,6 +61,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
     prefix_hit_tokens: int
     num_preemptions: int
     idle_seconds: float = 0.0  # engine loop time spent waiting for input with nothing to run
+    spec_draft_tokens: int = 0  # --speculative-ngram: drafts verified and accepted since start
+    spec_accepted_tokens: int = 0
 
 
 class Rejection(msgspec.Struct, array_like=True, gc=False):

@@ -95,7 +95,9 @@ class BlockManager:
         given); returns False and changes nothing when the pool cannot hold them."""
         # Cached blocks with ref count 0 sit in the free list; taking them shrinks the free pool.
         reused_free = sum(1 for b in cached_prefix if self.ref_counts[b] == 0)
-        need = self.blocks_needed(req, num_new_tokens, len(cached_prefix) * self.block_size)
+        # The cached prefix's blocks join the table as they are: only the blocks past them are new.
+        need = max(0, self.blocks_needed(req, num_new_tokens, len(cached_prefix) * self.block_size)
+                   - len(cached_prefix))
         if need > self.num_free_blocks - reused_free:
             return False
         for b in cached_prefix:

@@ -14,6 +14,7 @@ import torch
 from nanoserve.structured import GrammarBackend, GrammarState
 from nanoserve.config import EngineConfig
 from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.ngram import propose_ngram
 from nanoserve.engine.model_runner import ModelRunner, kv_bytes_per_block, kv_cache_dtype, use_int8_activations
 from nanoserve.engine.request import Request
 from nanoserve.engine.scheduler import Scheduler
@@ -151,8 +152,10 @@ class EngineCore:
 
     def stats(self) -> SchedulerStats:
         bm = self.block_manager
-        return SchedulerStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage,
-                              bm.num_queried_tokens, bm.num_hit_tokens, self.scheduler.num_preemptions)
+        sched = self.scheduler
+        return SchedulerStats(len(sched.running), len(sched.waiting), bm.usage, bm.num_queried_tokens,
+                              bm.num_hit_tokens, sched.num_preemptions, spec_draft_tokens=sched.num_draft_tokens,
+                              spec_accepted_tokens=sched.num_accepted_tokens)
 
     def abort(self, request_id: str) -> bool:
         """Removes a request and frees its blocks at once; False when it is unknown or finished."""
@@ -170,17 +173,23 @@ class EngineCore:
         if not sched.requests:
             return []
         sampled, logprobs = self.runner.execute(sched)
-        by_id = {sched.requests[i].request_id: lp for i, lp in logprobs.items()}
+        by_id = {sched.requests[i].request_id: lps for i, lps in logprobs.items()}
         outputs = []
+        num_draft = self.config.scheduler.speculative_ngram
         for req in self.scheduler.update_from_output(sched, sampled):
             finished = req.is_finished
             if finished:
                 self.runner.remove_request(req.request_id)
+            elif num_draft and req.can_speculate:
+                room = req.max_tokens - req.num_output_tokens - 1  # the step's own token comes on top
+                req.spec_token_ids = propose_ngram(req.all_token_ids, min(num_draft, room))
             prompt_logprobs = None
-            if req.params.prompt_logprobs is not None and req.num_output_tokens == 1:
+            new = req.num_step_tokens
+            if req.params.prompt_logprobs is not None and req.num_output_tokens == new:
                 prompt_logprobs = req.prompt_logprobs  # complete once the first token is out
+            lps = by_id.get(req.request_id)
             outputs.append(EngineCoreOutput(
-                req.request_id, [req.output_token_ids[-1]], req.finish_reason if finished else None,
-                req.stop_reason, max(req.num_cached_tokens, 0),
-                [by_id[req.request_id]] if req.request_id in by_id else None, prompt_logprobs))
+                req.request_id, req.output_token_ids[-new:], req.finish_reason if finished else None,
+                req.stop_reason, max(req.num_cached_tokens, 0), lps[:new] if lps is not None else None,
+                prompt_logprobs))
         return outputs

@@ -44,6 +44,9 @@ class EngineCoreProc:
         self.max_waiting = max_waiting_requests
         self.inputs: queue.Queue = queue.Queue()  # for the loop: (checked request, max_tokens) | AbortRequests
         self.outbox: queue.Queue = queue.Queue()  # (client identity, EngineCoreOutputs) for the IO thread
+        # Requests put into `inputs` (by the IO thread) and taken from it (by the loop): each counter has one
+        # writer, and their difference is what waits there (aborts in `inputs` are not waiting requests).
+        self.num_inputs_put = self.num_inputs_taken = 0
         self.owner: dict[str, bytes] = {}  # request id -> the frontend that sent it
         self.clients: set[bytes] = set()
         self.idle_seconds = 0.0
@@ -114,7 +117,8 @@ class EngineCoreProc:
             return None
         request = message.request
         try:
-            if self.max_waiting and len(self.engine.scheduler.waiting) + self.inputs.qsize() >= self.max_waiting:
+            if self.max_waiting and len(self.engine.scheduler.waiting) + self.num_inputs_put - self.num_inputs_taken \
+                    >= self.max_waiting:
                 return EngineCoreOutputs(rejected=[Rejection(
                     request.request_id, 503, f"the server is overloaded: {self.max_waiting} requests are "
                     "already waiting; retry later")])
@@ -126,6 +130,7 @@ class EngineCoreProc:
             return EngineCoreOutputs(rejected=[Rejection(request.request_id, 400, str(exc), field_of_error(str(exc)))])
         self.owner[request.request_id] = identity
         self.inputs.put((request, max_tokens, grammar))  # checked: the loop only queues it
+        self.num_inputs_put += 1
         return EngineCoreOutputs(accepted=[request.request_id])
 
     def _post(self, identity: bytes, message: EngineCoreOutputs) -> None:
@@ -180,6 +185,7 @@ class EngineCoreProc:
 
     def _apply(self, item) -> bool:
         if isinstance(item, tuple):  # (request, max_tokens, grammar), checked on the IO thread
+            self.num_inputs_taken += 1  # before it joins `waiting`: never counted twice
             self.engine.add_request(*item)
             return True
         for request_id in item.request_ids:

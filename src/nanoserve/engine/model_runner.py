@@ -1,6 +1,6 @@
 """`ModelRunner`: owns the model and its paged KV tensors; turns a `SchedulerOutput` into flat input
-tensors and attention metadata, runs the forward pass and the sampler, and returns one sampled token
-per request that reached the end of its known tokens."""
+tensors and attention metadata, runs the forward pass and the sampler, and returns the sampled tokens
+of each request that reached the end of its known tokens (one, or one per row of a decode with drafts)."""
 from __future__ import annotations
 
 import torch
@@ -104,7 +104,9 @@ class ModelRunner:
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
     def prepare(self, sched: SchedulerOutput):
-        """Flat input ids, attention metadata and the rows whose logits we need."""
+        """Flat input ids, attention metadata and the rows whose logits we need. A decode's drafts
+        (`spec_token_ids`) are extra decode rows after its last token, each attending to the positions
+        before it: a draft's row is computed as the decode of that position would be."""
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -112,20 +114,27 @@ class ModelRunner:
         sample_reqs: list[int] = []  # index into sched.requests of each logits row
         # Prompt logprobs: (request index, flat rows, prompt positions they predict).
         prompt_rows: list[tuple[int, list[int], list[int]]] = []
-        num_decodes = 0
-        while num_decodes < len(sched) and sched.num_new_tokens[num_decodes] == 1:
-            num_decodes += 1
+        num_decode_reqs = 0  # decodes come first: requests with only their last token to compute
+        while num_decode_reqs < len(sched) and \
+                sched.requests[num_decode_reqs].num_tokens - sched.requests[num_decode_reqs].num_computed_tokens == 1:
+            num_decode_reqs += 1
+        decode_rows: list[tuple[Request, int]] = []  # (request, context length) of each decode row
         prefills: list[PrefillSeq] = []
         for i, (req, n) in enumerate(zip(sched.requests, sched.num_new_tokens)):
             start = req.num_computed_tokens
             end = start + n
             q_start = len(input_ids)
             input_ids.extend(req.all_token_ids[start:end])
+            drafts = req.spec_token_ids if i < num_decode_reqs else ()
+            input_ids.extend(drafts)
             positions.extend(range(start, end))
             slot_mapping.extend(self._slots(req, start, end))
-            if end == req.num_tokens:
-                logits_rows.append(q_start + n - 1)
-                sample_reqs.append(i)
+            if i < num_decode_reqs:
+                decode_rows.extend((req, start + 1 + j) for j in range(n))
+            if end == req.num_tokens + len(drafts):
+                first = q_start + n - 1 - len(drafts)
+                logits_rows.extend(range(first, q_start + n))
+                sample_reqs.extend([i] * (1 + len(drafts)))
             if req.params.prompt_logprobs is not None:
                 # Position p predicts prompt token p + 1; skip what an earlier run already gave.
                 first = max(start, len(req.prompt_logprobs))
@@ -133,7 +142,7 @@ class ModelRunner:
                 if first < last:
                     prompt_rows.append((i, [q_start + p - start for p in range(first, last)],
                                         list(range(first + 1, last + 1))))
-            if i >= num_decodes:
+            if i >= num_decode_reqs:
                 if start == 0:
                     prefills.append(PrefillSeq(q_start, n, end, None, None))
                 else:
@@ -145,32 +154,33 @@ class ModelRunner:
                     prefills[-1].row_ctx_lens = torch.arange(start + 1, end + 1)
         meta = AttentionMetadata(positions=torch.tensor(positions, dtype=torch.long),
                                  slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),
-                                 num_decodes=num_decodes, prefills=prefills, backend=self.backend,
+                                 num_decodes=len(decode_rows), prefills=prefills, backend=self.backend,
                                  int8_activations=self.int8_activations)
-        if num_decodes:
-            self._decode_metadata(sched.requests[:num_decodes], meta)
+        if decode_rows:
+            self._decode_metadata(decode_rows, meta)
         return (torch.tensor(input_ids, dtype=torch.long), meta,
                 torch.tensor(logits_rows, dtype=torch.long), sample_reqs, prompt_rows)
 
-    def _decode_metadata(self, reqs: list[Request], meta: AttentionMetadata) -> None:
-        """Cache slots of every decode's context, padded to the longest, and the context lengths."""
+    def _decode_metadata(self, rows: list[tuple[Request, int]], meta: AttentionMetadata) -> None:
+        """Cache slots of every decode row's context, padded to the longest, and the context lengths."""
         bs = self.block_size
-        ctx = torch.tensor([r.num_computed_tokens + 1 for r in reqs], dtype=torch.long)
+        ctx = torch.tensor([ctx_len for _, ctx_len in rows], dtype=torch.long)
         max_ctx = int(ctx.max())
         max_blocks = -(-max_ctx // bs)
-        table = torch.zeros(len(reqs), max_blocks, dtype=torch.long)
-        for row, r in enumerate(reqs):
+        table = torch.zeros(len(rows), max_blocks, dtype=torch.long)
+        for row, (r, _) in enumerate(rows):
             blocks = r.block_ids[:max_blocks]
             table[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
         pos = torch.arange(max_ctx)
         meta.decode_slots = table[:, pos // bs] * bs + pos % bs  # (Bd, Tmax)
         meta.decode_ctx_lens = ctx
 
-    def execute(self, sched: SchedulerOutput) -> tuple[list[int | None], dict[int, TokenLogprobs]]:
-        """Runs one step; returns the sampled token of each scheduled request (None for chunks that
-        did not reach the end of the prompt) and, by request index, logprobs where asked for."""
+    def execute(self, sched: SchedulerOutput) -> tuple[list, dict[int, list[TokenLogprobs]]]:
+        """Runs one step; returns the sampled token of each scheduled request (a list of one per row for
+        a decode with drafts; None for chunks that did not reach the end of the prompt) and, by request
+        index, the logprobs of each of its rows where asked for."""
         input_ids, meta, logits_rows, sample_reqs, prompt_rows = self.prepare(sched)
-        sampled: list[int | None] = [None] * len(sched)
+        sampled: list = [None] * len(sched)
         num_sample = len(logits_rows)
         if prompt_rows:
             extra = [r for _, rows, _ in prompt_rows for r in rows]
@@ -182,6 +192,12 @@ class ModelRunner:
         if not sample_reqs:  # prefill chunks only: nothing to sample yet
             return sampled, {}
         reqs = [sched.requests[i] for i in sample_reqs]
+        # Each row's tokens so far: a draft row's include the drafts before it (its position, for seeded
+        # noise, min_tokens and bad words, is the one a plain decode of that token would have).
+        outputs, draft_index = [], {}
+        for row, (i, r) in enumerate(zip(sample_reqs, reqs)):
+            j = draft_index[i] = draft_index.get(i, -1) + 1
+            outputs.append(r.output_token_ids + r.spec_token_ids[:j] if j else r.output_token_ids)
         penalty_rows = {row: self.penalties.row(r.request_id, r.prompt_token_ids, r.output_token_ids)
                         for row, r in enumerate(reqs) if r.params.has_penalties}
         allowed = {row: self._allowed_mask(r) for row, r in enumerate(reqs) if r.params.allowed_token_ids}
@@ -194,20 +210,26 @@ class ModelRunner:
         want = [row for row, r in enumerate(reqs) if r.params.logprobs is not None]
         md = SamplingMetadata.build([r.params for r in reqs], self.config.vocab_size,
                                     eos_token_ids=self.config.eos_token_ids, penalty_state_rows=penalty_rows,
-                                    output_token_ids=[r.output_token_ids for r in reqs], allowed_masks=allowed,
+                                    output_token_ids=outputs, allowed_masks=allowed,
                                     grammar_rows=frozenset(grammar_rows))
         md.need_processed = bool(want) and self.logprobs_mode == "processed"
         tokens, processed = self.sampler.sample(logits, md, self.penalties)
         if md.penalty_rows is not None:
             self.penalties.record(md.penalty_state_rows, tokens[md.penalty_rows])
         for i, token in zip(sample_reqs, tokens.tolist()):
-            sampled[i] = token
+            if sched.requests[i].spec_token_ids:
+                sampled[i] = (sampled[i] or []) + [token]
+            else:
+                sampled[i] = token
         if not want:
             return sampled, {}
         source = logits if self.logprobs_mode == "raw" else processed
         index = torch.tensor(want)
         found = gather_logprobs(source[index], tokens[index], [reqs[row].params.logprobs for row in want])
-        return sampled, {sample_reqs[row]: lp for row, lp in zip(want, found)}
+        by_request: dict[int, list[TokenLogprobs]] = {}
+        for row, lp in zip(want, found):
+            by_request.setdefault(sample_reqs[row], []).append(lp)
+        return sampled, by_request
 
     def _prompt_logprobs(self, sched: SchedulerOutput, logits: torch.Tensor,
                          prompt_rows: list[tuple[int, list[int], list[int]]]) -> None:

@@ -49,6 +49,10 @@ class Request:
         self.prompt_logprobs: list[TokenLogprobs] = []
         # A structured-outputs request's GrammarState: its mask is applied before any other processor.
         self.grammar = None
+        # Draft tokens (--speculative-ngram) to verify after the last token in the next step; the
+        # scheduler trims them to what it schedules.
+        self.spec_token_ids: list[int] = []
+        self.num_step_tokens = 0  # tokens the last step appended (more than one when drafts were accepted)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -71,6 +75,12 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+    @property
+    def can_speculate(self) -> bool:
+        """Drafts are verified as extra decode rows, which penalties and grammars (their state advances
+        token by token) do not support yet."""
+        return self.grammar is None and not self.params.has_penalties
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

@@ -37,6 +37,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.prefill_leaders: dict[str, Request] = {}  # parent id -> the sibling that computes the prompt
         self.num_preemptions = 0  # since start, for tests and metrics
+        self.num_draft_tokens = 0  # speculative drafts verified, and those accepted, since start
+        self.num_accepted_tokens = 0
 
     # ---------------------------------------------------------------------------- bookkeeping
     def add_request(self, req: Request) -> None:
@@ -74,6 +76,7 @@ class Scheduler:
         self.block_manager.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -84,11 +87,21 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
 
-        # 1. Running requests, oldest first: decodes and unfinished prefill chunks.
+        # 1. Running requests, oldest first: decodes (with their drafts, where they fit) and unfinished
+        # prefill chunks.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.spec_token_ids:
+                drafts = req.spec_token_ids[:budget - 1] if n == 1 else []
+                if drafts and self.block_manager.allocate(req, 1 + len(drafts)):
+                    req.spec_token_ids = drafts
+                    scheduled.append((req, 1 + len(drafts)))
+                    budget -= 1 + len(drafts)
+                    i += 1
+                    continue
+                req.spec_token_ids = []  # no room for them this step: a plain decode
             while not self.block_manager.allocate(req, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -131,21 +144,40 @@ class Scheduler:
         return out
 
     # ------------------------------------------------------------------------------ update
-    def update_from_output(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
-        """Advances counters after the model ran. `sampled[i]` is the new token of request i, or None
-        for a prefill chunk that did not reach the end of its prompt. Returns requests that got a new
-        token or finished, in scheduling order."""
+    def update_from_output(self, out: SchedulerOutput, sampled: list) -> list[Request]:
+        """Advances counters after the model ran. `sampled[i]` is the new token of request i (a token, or
+        one per row for a decode with drafts: the token after the last token, then after each draft), or
+        None for a prefill chunk that did not reach the end of its prompt. Drafts are accepted while they
+        equal the token sampled before them, and the token after the last accepted one is appended too.
+        Returns requests that got new tokens or finished, in scheduling order."""
         touched = []
-        for req, n, token in zip(out.requests, out.num_new_tokens, sampled):
+        for req, n, tokens in zip(out.requests, out.num_new_tokens, sampled):
             if req.is_finished:  # aborted while the step ran
                 continue
-            req.num_computed_tokens += n
-            if token is None:
+            if tokens is None:
+                req.num_computed_tokens += n
                 self.block_manager.cache_full_blocks(req)
                 continue
-            req.append_token(token)
+            tokens = [tokens] if isinstance(tokens, int) else tokens
+            drafts, req.spec_token_ids = req.spec_token_ids, []
+            accepted = 0
+            while accepted < len(drafts) and tokens[accepted] == drafts[accepted]:
+                accepted += 1
+            self.num_draft_tokens += len(drafts)
+            self.num_accepted_tokens += accepted
+            start, stopped = req.num_computed_tokens, False
+            req.num_step_tokens = 0
+            for token in tokens[:accepted + 1]:
+                req.append_token(token)
+                req.num_step_tokens += 1
+                if req.check_stop():
+                    stopped = True
+                    break
+            # The KV cache holds the tokens fed this step up to the last accepted draft (what follows it
+            # was computed on rejected drafts and is overwritten by the next steps).
+            req.num_computed_tokens = min(start + n - len(drafts) + accepted, req.num_tokens - 1)
             self.block_manager.cache_full_blocks(req)
             touched.append(req)
-            if req.check_stop():
+            if stopped:
                 self._finish(req, req.finish_reason)
         return touched

@@ -64,10 +64,12 @@ class OutputProcessor:
             state = self.states.get(out.request_id)
             if state is None:  # already finished here (stop string) or aborted
                 continue
+            seen = len(state.detokenizer.token_ids)
             stop = state.detokenizer.update(out.new_token_ids)
-            delta = CompletionDelta(state.request_id, state.index, token_ids=list(out.new_token_ids),
-                                    logprobs=out.new_logprobs, prompt_logprobs=out.prompt_logprobs,
-                                    num_cached_tokens=out.num_cached_tokens)
+            used = len(state.detokenizer.token_ids) - seen  # fewer when a stop string ended the text early
+            delta = CompletionDelta(state.request_id, state.index, token_ids=list(out.new_token_ids[:used]),
+                                    logprobs=out.new_logprobs[:used] if out.new_logprobs is not None else None,
+                                    prompt_logprobs=out.prompt_logprobs, num_cached_tokens=out.num_cached_tokens)
             if stop is not None:
                 delta.finish_reason, delta.stop_reason = "stop", stop
                 if not out.finished:

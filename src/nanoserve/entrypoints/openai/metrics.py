@@ -39,6 +39,8 @@ class Metrics:
         self.preemptions = _gauge("nanoserve:num_preemptions", "Requests preempted since start")
         self.engine_idle = _gauge("nanoserve:engine_idle_seconds",
                                   "Engine-core loop time spent waiting for input with nothing to run")
+        self.spec_drafts = _gauge("nanoserve:spec_decode_num_draft_tokens", "Speculative draft tokens verified")
+        self.spec_accepted = _gauge("nanoserve:spec_decode_num_accepted_tokens", "Speculative draft tokens accepted")
 
     def update_engine(self, stats: SchedulerStats) -> None:
         self.running.set(stats.num_running)
@@ -50,6 +52,8 @@ class Metrics:
                                  if stats.prefix_queried_tokens else 0.0)
         self.preemptions.set(stats.num_preemptions)
         self.engine_idle.set(stats.idle_seconds)
+        self.spec_drafts.set(stats.spec_draft_tokens)
+        self.spec_accepted.set(stats.spec_accepted_tokens)
 
     @staticmethod
     def render() -> tuple[bytes, str]:
