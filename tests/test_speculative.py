@@ -8,7 +8,7 @@ import pytest
 from backends import requires_kernels
 from nanoserve.config import SchedulerConfig
 from nanoserve.engine.block_manager import BlockManager
-from nanoserve.engine.ngram import propose_ngram
+from nanoserve.engine.ngram import drafts_per_request, propose_ngram
 from nanoserve.engine.request import Request
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.protocol import FinishReason
@@ -26,6 +26,12 @@ from nanoserve.sampling_params import SamplingParams
 ])
 def test_propose_ngram(tokens, k, expected):
     assert propose_ngram(tokens, k) == expected
+
+
+@pytest.mark.parametrize("running, expected", [(0, 4), (1, 4), (2, 3), (3, 1), (4, 1), (5, 0), (32, 0)])
+def test_drafts_shrink_as_the_batch_grows(running, expected):
+    """--speculative-ngram 4 within 8 rows: one stream drafts 4, two streams 3 each, four 1, five none."""
+    assert drafts_per_request(4, 8, running) == expected
 
 
 def test_propose_ngram_prefers_the_longest_match():
@@ -118,7 +124,7 @@ REPEATING = f"List: {FRUIT}.\nThe same list again: {FRUIT}.\nAnd once more: "  #
 def spec_llm(smollm_path):
     from nanoserve import LLM
     return LLM(smollm_path, seed=0, activation_dtype="float32", kv_cache_dtype="float32",
-               speculative_ngram=4, max_model_len=1024, num_kv_blocks=256)
+               speculative_ngram=4, speculative_max_rows=64, max_model_len=1024, num_kv_blocks=256)
 
 
 def mixed_params():

@@ -80,6 +80,9 @@ class SchedulerConfig:
     speculative_ngram: int = option(0, "speculative decoding: draft up to K tokens per step from each request's own "
                                        "prompt and output (n-gram lookup) and verify them in one step; greedy text "
                                        "and seeded samples stay the same (0: off)")
+    speculative_max_rows: int = option(8, "drafts only while a step's decode rows (each running request's token and "
+                                          "its drafts) fit in this many: a step of few rows costs little more than "
+                                          "one, a large batch is compute-bound and drafts only add to it")
 
 
 @dataclass(frozen=True)

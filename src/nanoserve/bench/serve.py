@@ -33,9 +33,14 @@ class Result:
     error: str = ""
 
 
-def make_prompt(rng: random.Random, input_len: int) -> str:
-    # Common English words are one token each with their leading space in BPE vocabularies.
-    return " ".join(rng.choice(WORDS) for _ in range(input_len))
+def make_prompt(rng: random.Random, input_len: int, workload: str = "random") -> str:
+    """`random`: `input_len` random common words (one token each with their leading space in BPE
+    vocabularies). `copy`: a list of input_len / 2 random words, the same list again, then a cue to write it
+    once more, a workload whose output repeats its prompt (as editing or quoting a given text does)."""
+    if workload == "random":
+        return " ".join(rng.choice(WORDS) for _ in range(input_len))
+    words = " ".join(rng.choice(WORDS) for _ in range(max(1, input_len // 2)))
+    return f"List:{words}.\nThe same list again:{words}.\nAnd once more:"
 
 
 def bench_schema(index: Optional[int]) -> dict:
@@ -115,24 +120,36 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
-async def engine_idle_seconds(http: aiohttp.ClientSession, url: str) -> Optional[float]:
+async def server_metric(http: aiohttp.ClientSession, url: str, name: str) -> Optional[float]:
+    """One unlabelled nanoserve metric from /metrics; None for a server without it."""
     try:
         async with http.get(f"{url}/metrics") as r:
             text = await r.text()
     except (aiohttp.ClientError, asyncio.TimeoutError):
         return None
     for line in text.splitlines():
-        if line.startswith("nanoserve:engine_idle_seconds "):
+        if line.startswith(name + " "):
             return float(line.split()[1])
     return None
 
 
+async def engine_idle_seconds(http: aiohttp.ClientSession, url: str) -> Optional[float]:
+    return await server_metric(http, url, "nanoserve:engine_idle_seconds")
+
+
+async def spec_counts(http: aiohttp.ClientSession, url: str) -> tuple[Optional[float], Optional[float]]:
+    """Speculative draft tokens verified and accepted since the server started (None without them)."""
+    return (await server_metric(http, url, "nanoserve:spec_decode_num_draft_tokens"),
+            await server_metric(http, url, "nanoserve:spec_decode_num_accepted_tokens"))
+
+
 async def run(url: str, model: Optional[str], concurrency: int, num_prompts: int, input_len: int, output_len: int,
               ban: dict, seed: int = 0, schema_share: float = 0.0, distinct_schemas: bool = False,
-              chat_tools: Optional[str] = None) -> dict:
-    """`schema_share`: the fraction of requests (spread evenly) sent with a JSON schema (`bench_schema`)."""
+              chat_tools: Optional[str] = None, workload: str = "random") -> dict:
+    """`schema_share`: the fraction of requests (spread evenly) sent with a JSON schema (`bench_schema`);
+    `workload`: how prompts are made (`make_prompt`)."""
     rng = random.Random(seed)
-    prompts = [make_prompt(rng, input_len) for _ in range(num_prompts)]
+    prompts = [make_prompt(rng, input_len, workload) for _ in range(num_prompts)]
     structured = [int((i + 1) * schema_share) > int(i * schema_share) for i in range(num_prompts)]
     schemas = [bench_schema(i + seed * num_prompts if distinct_schemas else None) if s else None
                for i, s in enumerate(structured)]
@@ -154,10 +171,12 @@ async def run(url: str, model: Optional[str], concurrency: int, num_prompts: int
                 if latest != idle_before:
                     idle_before = latest
                     break
+        drafts_before, accepted_before = await spec_counts(http, url)
         start = time.perf_counter()
         results = await asyncio.gather(*(limited(p, s) for p, s in zip(prompts, schemas)))
         wall = time.perf_counter() - start
         idle_after = await engine_idle_seconds(http, url)
+        drafts_after, accepted_after = await spec_counts(http, url)
     good = [r for r in results if r.ok]
     structured_ttfts = [r.ttft for r, s in zip(results, schemas) if r.ok and s is not None]
     gaps = [g for r in good for g in r.gaps]
@@ -172,6 +191,9 @@ async def run(url: str, model: Optional[str], concurrency: int, num_prompts: int
         report["structured_ttft_p99"] = percentile(structured_ttfts, 99)
     if idle_before is not None and idle_after is not None:
         report["engine_idle_share"] = (idle_after - idle_before) / wall
+    if drafts_after and accepted_after is not None and drafts_after > (drafts_before or 0):
+        report["spec_drafts"] = drafts_after - (drafts_before or 0)
+        report["spec_acceptance"] = (accepted_after - (accepted_before or 0)) / report["spec_drafts"]
     return report
 
 
@@ -193,6 +215,9 @@ def main(argv=None) -> None:
     ap.add_argument("--chat-tools", choices=("none", "required"), default=None,
                     help="chat requests instead of completions: plain (none), or each calling a tool (required; "
                          "needs a template that renders tools, e.g. --chat-template chatml-tools)")
+    ap.add_argument("--workload", choices=("random", "copy"), default="random",
+                    help="prompts of random words, or a word list given twice that the output repeats (where "
+                         "--speculative-ngram applies)")
     ap.add_argument("--json", action="store_true", help="print one JSON line per level")
     args = ap.parse_args(argv)
     ban = {t: -100 for t in args.ban_token_ids.split(",") if t}
@@ -202,13 +227,16 @@ def main(argv=None) -> None:
     for level in [int(c) for c in args.concurrency.split(",")]:
         report = asyncio.run(run(args.url.rstrip("/"), args.model, level, args.num_prompts or 2 * level,
                                  args.input_len, args.output_len, ban, schema_share=args.json_schema_share,
-                                 distinct_schemas=args.distinct_schemas, chat_tools=args.chat_tools))
+                                 distinct_schemas=args.distinct_schemas, chat_tools=args.chat_tools,
+                                 workload=args.workload))
         report["label"] = args.label
         if args.json:
             print(json.dumps(report), flush=True)
             continue
         idle = f"{report['engine_idle_share'] * 100:.1f}%" if "engine_idle_share" in report else "n/a"
         failed = f" ({report['failed']} failed: {report['errors']})" if report["failed"] else ""
+        if "spec_acceptance" in report:
+            failed += f" (speculation: {report['spec_acceptance'] * 100:.0f}% of {report['spec_drafts']:.0f} drafts accepted)"
         print(f"| {args.label} | {level} | {report['req_per_s']:.2f} | {report['output_tok_per_s']:.1f} | "
               f"{report['ttft_p50']:.2f} | {report['ttft_p99']:.2f} | {report['itl_p50'] * 1e3:.0f} | "
               f"{report['itl_p99'] * 1e3:.0f} | {idle} |{failed}", flush=True)

@@ -14,7 +14,7 @@ import torch
 from nanoserve.structured import GrammarBackend, GrammarState
 from nanoserve.config import EngineConfig
 from nanoserve.engine.block_manager import BlockManager
-from nanoserve.engine.ngram import propose_ngram
+from nanoserve.engine.ngram import drafts_per_request, propose_ngram
 from nanoserve.engine.model_runner import ModelRunner, kv_bytes_per_block, kv_cache_dtype, use_int8_activations
 from nanoserve.engine.request import Request
 from nanoserve.engine.scheduler import Scheduler
@@ -175,12 +175,13 @@ class EngineCore:
         sampled, logprobs = self.runner.execute(sched)
         by_id = {sched.requests[i].request_id: lps for i, lps in logprobs.items()}
         outputs = []
-        num_draft = self.config.scheduler.speculative_ngram
+        num_draft = drafts_per_request(self.config.scheduler.speculative_ngram,
+                                       self.config.scheduler.speculative_max_rows, len(self.scheduler.running))
         for req in self.scheduler.update_from_output(sched, sampled):
             finished = req.is_finished
             if finished:
                 self.runner.remove_request(req.request_id)
-            elif num_draft and req.can_speculate:
+            elif num_draft > 0 and req.can_speculate:
                 room = req.max_tokens - req.num_output_tokens - 1  # the step's own token comes on top
                 req.spec_token_ids = propose_ngram(req.all_token_ids, min(num_draft, room))
             prompt_logprobs = None

@@ -8,6 +8,12 @@ import numpy as np
 NGRAM_MAX, NGRAM_MIN = 4, 2
 
 
+def drafts_per_request(num_draft: int, max_rows: int, num_running: int) -> int:
+    """Drafts each running request may get in the next step: `num_draft` (--speculative-ngram) while the
+    step's decode rows, a token and its drafts per request, stay within `max_rows`; 0 beyond."""
+    return max(0, min(num_draft, max_rows // max(1, num_running) - 1))
+
+
 def propose_ngram(tokens: list[int], k: int, min_n: int = NGRAM_MIN, max_n: int = NGRAM_MAX) -> list[int]:
     """Up to `k` tokens that followed the most recent earlier occurrence of the last n tokens (n from
     `max_n` down to `min_n`); [] when no suffix occurred before."""
