@@ -539,7 +539,8 @@ def test_sigterm_drains_in_flight_requests(own_server):
         time.sleep(0.05)
     assert server.stop() == 0
     t.join()
-    assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == 48
+    assert result["r"].status_code == 200, result["r"].text
+    assert result["r"].json()["usage"]["completion_tokens"] == 48
 
 
 def test_drain_timeout_ends_requests_with_an_error_not_a_cut():
