@@ -114,9 +114,9 @@ class ModelRunner:
         sample_reqs: list[int] = []  # index into sched.requests of each logits row
         # Prompt logprobs: (request index, flat rows, prompt positions they predict).
         prompt_rows: list[tuple[int, list[int], list[int]]] = []
-        num_decode_reqs = 0  # decodes come first: requests with only their last token to compute
+        num_decode_reqs = 0  # decodes come first: one token to compute, and the drafts scheduled after it
         while num_decode_reqs < len(sched) and \
-                sched.requests[num_decode_reqs].num_tokens - sched.requests[num_decode_reqs].num_computed_tokens == 1:
+                sched.num_new_tokens[num_decode_reqs] == 1 + len(sched.requests[num_decode_reqs].spec_token_ids):
             num_decode_reqs += 1
         decode_rows: list[tuple[Request, int]] = []  # (request, context length) of each decode row
         prefills: list[PrefillSeq] = []
