@@ -132,14 +132,21 @@ class EngineConfig:
 
 @dataclass
 class ServerConfig:
-    """`nanoserve serve`'s HTTP side; the launcher fills `model_path`, `address` and each API server's
-    `index`."""
+    """`nanoserve serve`'s HTTP side; the launcher fills `model_path`, `engine_addresses` and each API
+    server's `index`."""
     model_path: str = ""
-    address: str = ""  # the engine core's ZMQ address
+    engine_addresses: list[str] = field(default_factory=list)  # each engine core's ZMQ address
     index: int = 0
     host: str = option("127.0.0.1", "address to listen on")
     port: int = option(8000, "port to listen on")
     api_server_count: int = option(1, "API-server processes sharing the port")
+    data_parallel_size: int = option(1, "engine-core processes, each with its own weights, KV cache and CPUs; "
+                                        "requests are routed to the least loaded, with prefix affinity")
+    cpus_per_engine: int = option(0, "CPUs each engine core is pinned to (0: with --data-parallel-size > 1, "
+                                     "the CPUs this process may use split evenly; with 1, not pinned)")
+    prefix_affinity: bool = option(True, "with --data-parallel-size > 1, route a prompt to the engine that "
+                                         "was sent its first blocks (its prefix cache); off: least loaded only",
+                                   flag="--no-prefix-affinity")
     api_keys: list[str] = option(help="required bearer key on every route but /health and /metrics "
                                       "(repeatable; or NANOSERVE_API_KEY)",
                                  flag="--api-key", default_factory=list)

@@ -63,6 +63,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
     idle_seconds: float = 0.0  # engine loop time spent waiting for input with nothing to run
     spec_draft_tokens: int = 0  # --speculative-ngram: drafts verified and accepted since start
     spec_accepted_tokens: int = 0
+    load_tokens: int = 0  # tokens (prompt + output so far) of the running and waiting requests: the router's load
 
 
 class Rejection(msgspec.Struct, array_like=True, gc=False):
@@ -96,6 +97,7 @@ class ModelInfo(msgspec.Struct, array_like=True, gc=False):
     max_logprobs: int
     pid: int
     compute: ComputeInfo
+    block_size: int = 16  # tokens per KV-cache block (prefix-cache granularity)
 
 
 # Frontend -> engine core: one message per frame, tagged by type.

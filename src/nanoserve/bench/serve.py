@@ -43,6 +43,17 @@ def make_prompt(rng: random.Random, input_len: int, workload: str = "random") ->
     return f"List:{words}.\nThe same list again:{words}.\nAnd once more:"
 
 
+def make_prompts(rng: random.Random, num_prompts: int, input_len: int, workload: str = "random",
+                 num_prefixes: int = 4, prefix_len: int = 400) -> list[str]:
+    """`make_prompt`'s workloads, and `shared-prefix`: `num_prefixes` system prompts of `prefix_len`
+    random words, each request one of them (at random) followed by its own `input_len` words, as many
+    users of a few applications are."""
+    if workload != "shared-prefix":
+        return [make_prompt(rng, input_len, workload) for _ in range(num_prompts)]
+    systems = [make_prompt(rng, prefix_len) for _ in range(num_prefixes)]
+    return [f"{rng.choice(systems)}\nUser: {make_prompt(rng, input_len)}" for _ in range(num_prompts)]
+
+
 def bench_schema(index: Optional[int]) -> dict:
     """The JSON schema of the structured requests: a list of short strings longer than any output (so that
     max_tokens ends it, as it ends the others). `index`: a variant of its own (no compiled-grammar reuse)."""
@@ -143,13 +154,20 @@ async def spec_counts(http: aiohttp.ClientSession, url: str) -> tuple[Optional[f
             await server_metric(http, url, "nanoserve:spec_decode_num_accepted_tokens"))
 
 
+async def prefix_counts(http: aiohttp.ClientSession, url: str) -> tuple[Optional[float], Optional[float]]:
+    """Prompt tokens looked up in nanoserve's prefix cache and found there, since it started."""
+    return (await server_metric(http, url, "nanoserve:prefix_cache_queries"),
+            await server_metric(http, url, "nanoserve:prefix_cache_hits"))
+
+
 async def run(url: str, model: Optional[str], concurrency: int, num_prompts: int, input_len: int, output_len: int,
               ban: dict, seed: int = 0, schema_share: float = 0.0, distinct_schemas: bool = False,
-              chat_tools: Optional[str] = None, workload: str = "random") -> dict:
+              chat_tools: Optional[str] = None, workload: str = "random", num_prefixes: int = 4,
+              prefix_len: int = 400) -> dict:
     """`schema_share`: the fraction of requests (spread evenly) sent with a JSON schema (`bench_schema`);
-    `workload`: how prompts are made (`make_prompt`)."""
+    `workload`: how prompts are made (`make_prompts`)."""
     rng = random.Random(seed)
-    prompts = [make_prompt(rng, input_len, workload) for _ in range(num_prompts)]
+    prompts = make_prompts(rng, num_prompts, input_len, workload, num_prefixes, prefix_len)
     structured = [int((i + 1) * schema_share) > int(i * schema_share) for i in range(num_prompts)]
     schemas = [bench_schema(i + seed * num_prompts if distinct_schemas else None) if s else None
                for i, s in enumerate(structured)]
@@ -172,11 +190,14 @@ async def run(url: str, model: Optional[str], concurrency: int, num_prompts: int
                     idle_before = latest
                     break
         drafts_before, accepted_before = await spec_counts(http, url)
+        prefix_before = await prefix_counts(http, url)
         start = time.perf_counter()
         results = await asyncio.gather(*(limited(p, s) for p, s in zip(prompts, schemas)))
         wall = time.perf_counter() - start
         idle_after = await engine_idle_seconds(http, url)
+        await asyncio.sleep(0.2)  # engine gauges follow the engine's stats a little after the last answer
         drafts_after, accepted_after = await spec_counts(http, url)
+        prefix_after = await prefix_counts(http, url)
     good = [r for r in results if r.ok]
     structured_ttfts = [r.ttft for r, s in zip(results, schemas) if r.ok and s is not None]
     gaps = [g for r in good for g in r.gaps]
@@ -194,6 +215,8 @@ async def run(url: str, model: Optional[str], concurrency: int, num_prompts: int
     if drafts_after and accepted_after is not None and drafts_after > (drafts_before or 0):
         report["spec_drafts"] = drafts_after - (drafts_before or 0)
         report["spec_acceptance"] = (accepted_after - (accepted_before or 0)) / report["spec_drafts"]
+    if None not in prefix_before + prefix_after and prefix_after[0] > prefix_before[0]:
+        report["prefix_hit_rate"] = (prefix_after[1] - prefix_before[1]) / (prefix_after[0] - prefix_before[0])
     return report
 
 
@@ -215,9 +238,12 @@ def main(argv=None) -> None:
     ap.add_argument("--chat-tools", choices=("none", "required"), default=None,
                     help="chat requests instead of completions: plain (none), or each calling a tool (required; "
                          "needs a template that renders tools, e.g. --chat-template chatml-tools)")
-    ap.add_argument("--workload", choices=("random", "copy"), default="random",
-                    help="prompts of random words, or a word list given twice that the output repeats (where "
-                         "--speculative-ngram applies)")
+    ap.add_argument("--workload", choices=("random", "copy", "shared-prefix"), default="random",
+                    help="prompts of random words; a word list given twice that the output repeats (where "
+                         "--speculative-ngram applies); or one of a few shared system prompts before each "
+                         "request's own words (where the prefix cache and data-parallel routing apply)")
+    ap.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: how many system prompts")
+    ap.add_argument("--prefix-len", type=int, default=400, help="shared-prefix: words per system prompt")
     ap.add_argument("--json", action="store_true", help="print one JSON line per level")
     args = ap.parse_args(argv)
     ban = {t: -100 for t in args.ban_token_ids.split(",") if t}
@@ -228,13 +254,16 @@ def main(argv=None) -> None:
         report = asyncio.run(run(args.url.rstrip("/"), args.model, level, args.num_prompts or 2 * level,
                                  args.input_len, args.output_len, ban, schema_share=args.json_schema_share,
                                  distinct_schemas=args.distinct_schemas, chat_tools=args.chat_tools,
-                                 workload=args.workload))
+                                 workload=args.workload, num_prefixes=args.num_prefixes,
+                                 prefix_len=args.prefix_len))
         report["label"] = args.label
         if args.json:
             print(json.dumps(report), flush=True)
             continue
         idle = f"{report['engine_idle_share'] * 100:.1f}%" if "engine_idle_share" in report else "n/a"
         failed = f" ({report['failed']} failed: {report['errors']})" if report["failed"] else ""
+        if "prefix_hit_rate" in report:
+            failed += f" (prefix cache: {report['prefix_hit_rate'] * 100:.0f}% of prompt tokens hit)"
         if "spec_acceptance" in report:
             failed += f" (speculation: {report['spec_acceptance'] * 100:.0f}% of {report['spec_drafts']:.0f} drafts accepted)"
         print(f"| {args.label} | {level} | {report['req_per_s']:.2f} | {report['output_tok_per_s']:.1f} | "

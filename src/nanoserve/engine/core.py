@@ -61,7 +61,7 @@ class EngineCore:
         (tests); by default the model is loaded from `config.model`. Raises `ValueError` (or
         `RuntimeError` for `--kernels c` where they cannot run) for an explicit option that cannot run."""
         self.config = config
-        num_threads = config.num_threads or os.cpu_count() or 1
+        num_threads = config.num_threads or len(os.sched_getaffinity(0)) or 1
         torch.set_num_threads(num_threads)
         torch.manual_seed(config.seed)
         self.backend = select_backend(config.kernels, num_threads,
@@ -155,7 +155,9 @@ class EngineCore:
         sched = self.scheduler
         return SchedulerStats(len(sched.running), len(sched.waiting), bm.usage, bm.num_queried_tokens,
                               bm.num_hit_tokens, sched.num_preemptions, spec_draft_tokens=sched.num_draft_tokens,
-                              spec_accepted_tokens=sched.num_accepted_tokens)
+                              spec_accepted_tokens=sched.num_accepted_tokens,
+                              load_tokens=sum(r.num_tokens for r in sched.running)
+                              + sum(r.num_tokens for r in sched.waiting))
 
     def abort(self, request_id: str) -> bool:
         """Removes a request and frees its blocks at once; False when it is unknown or finished."""

@@ -57,7 +57,8 @@ class EngineCoreProc:
         self.address = address
         self.io_thread = threading.Thread(target=self._io_loop, name="engine-io", daemon=True)
         self.info = ModelInfo(engine.max_model_len, engine.model_config.vocab_size,
-                              engine.config.max_logprobs, os.getpid(), engine.compute)
+                              engine.config.max_logprobs, os.getpid(), engine.compute,
+                              engine.config.cache.block_size)
         self.stopping = False
         self.trim_heap = heap_trimmer()
 
@@ -199,10 +200,10 @@ class EngineCoreProc:
 
 
 def run_engine_core(config: EngineConfig, address: str, max_waiting_requests: int = 0,
-                    log_level: str = "INFO") -> None:
-    """Entry point of the engine-core process. Exits non-zero when the engine fails, after telling
+                    log_level: str = "INFO", name: str = "engine-core") -> None:
+    """Entry point of an engine-core process. Exits non-zero when the engine fails, after telling
     every frontend so that their in-flight requests end with an error instead of hanging."""
-    logging.basicConfig(level=log_level, format="%(asctime)s engine-core[%(process)d] %(levelname)s %(message)s")
+    logging.basicConfig(level=log_level, format=f"%(asctime)s {name}[%(process)d] %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when we stop (SIGTERM)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     try:

@@ -78,7 +78,8 @@ def create_app(settings: ServerConfig, tokenizer) -> FastAPI:
         # go out, then exit non-zero so that the launcher stops the whole server.
         asyncio.get_running_loop().call_later(1.0, os._exit, 1)
 
-    llm = AsyncLLM(tokenizer, settings.address, f"api-{settings.index}-{os.getpid()}".encode(), on_dead)
+    llm = AsyncLLM(tokenizer, settings.engine_addresses, f"api-{settings.index}-{os.getpid()}".encode(), on_dead,
+                   prefix_affinity=settings.prefix_affinity)
     serving = OpenAIServing(llm, tokenizer, settings.served_model_names, metrics, settings.reasoning_parser,
                             settings.trust_request_chat_template, settings.chat_template_timeout,
                             settings.tool_call_parser)
@@ -94,9 +95,10 @@ def create_app(settings: ServerConfig, tokenizer) -> FastAPI:
         serving.set_max_model_len(info.max_model_len)
         ready.set()
         logger.info("engine core ready: max_model_len %d; %s", info.max_model_len, info.compute.summary())
-        while not llm.dead:  # engine-wide gauges follow the latest stats the core sent
-            if llm.stats is not None:
-                metrics.update_engine(llm.stats)
+        while not llm.dead:  # engine-wide gauges follow the latest stats each core sent
+            stats = llm.engine_stats
+            if all(s is not None for s in stats):
+                metrics.update_engines(stats)
             await asyncio.sleep(0.05)
 
     @asynccontextmanager

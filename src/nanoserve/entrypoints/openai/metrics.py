@@ -1,6 +1,7 @@
 """Prometheus metrics of an API server (`prometheus-client`). With several API-server processes the
 launcher sets PROMETHEUS_MULTIPROC_DIR, so any process's `/metrics` reports the sum over all of
-them; engine-wide gauges (running, waiting, KV usage, prefix cache) take the most recent value."""
+them; engine-wide gauges (running, waiting, KV usage, prefix cache) take the most recent value, as a total
+over the data-parallel engine cores and per core (`nanoserve:per_engine_*{engine="i"}`)."""
 from __future__ import annotations
 
 import os
@@ -14,8 +15,30 @@ from nanoserve.protocol import SchedulerStats
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
 
-def _gauge(name: str, doc: str) -> Gauge:
-    return Gauge(name, doc, multiprocess_mode="mostrecent")
+# Engine-wide gauges: (name, help, how N engines' values combine into the unlabelled total). Each also has a
+# `nanoserve:per_engine_<name>{engine="i"}` series per data-parallel engine core.
+ENGINE_GAUGES = (
+    ("num_requests_running", "Requests in the running batch", "sum"),
+    ("num_requests_waiting", "Requests waiting to be scheduled", "sum"),
+    ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use", "mean"),
+    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", "sum"),
+    ("prefix_cache_hits", "Prompt tokens found in the prefix cache", "sum"),
+    ("prefix_cache_hit_rate", "Prefix-cache hits / queries", "ratio"),
+    ("num_preemptions", "Requests preempted since start", "sum"),
+    ("engine_idle_seconds", "Engine-core loop time spent waiting for input with nothing to run", "sum"),
+    ("spec_decode_num_draft_tokens", "Speculative draft tokens verified", "sum"),
+    ("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted", "sum"),
+)
+
+
+def engine_gauge_values(stats: SchedulerStats) -> dict[str, float]:
+    hit_rate = stats.prefix_hit_tokens / stats.prefix_queried_tokens if stats.prefix_queried_tokens else 0.0
+    return {"num_requests_running": stats.num_running, "num_requests_waiting": stats.num_waiting,
+            "kv_cache_usage_perc": stats.kv_cache_usage, "prefix_cache_queries": stats.prefix_queried_tokens,
+            "prefix_cache_hits": stats.prefix_hit_tokens, "prefix_cache_hit_rate": hit_rate,
+            "num_preemptions": stats.num_preemptions, "engine_idle_seconds": stats.idle_seconds,
+            "spec_decode_num_draft_tokens": stats.spec_draft_tokens,
+            "spec_decode_num_accepted_tokens": stats.spec_accepted_tokens}
 
 
 class Metrics:
@@ -30,30 +53,27 @@ class Metrics:
                              buckets=LATENCY_BUCKETS)
         self.e2e = Histogram("nanoserve:e2e_request_latency_seconds", "End-to-end request latency",
                              buckets=LATENCY_BUCKETS)
-        self.running = _gauge("nanoserve:num_requests_running", "Requests in the running batch")
-        self.waiting = _gauge("nanoserve:num_requests_waiting", "Requests waiting to be scheduled")
-        self.kv_usage = _gauge("nanoserve:kv_cache_usage_perc", "Fraction of KV-cache blocks in use")
-        self.prefix_queries = _gauge("nanoserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
-        self.prefix_hits = _gauge("nanoserve:prefix_cache_hits", "Prompt tokens found in the prefix cache")
-        self.prefix_hit_rate = _gauge("nanoserve:prefix_cache_hit_rate", "Prefix-cache hits / queries")
-        self.preemptions = _gauge("nanoserve:num_preemptions", "Requests preempted since start")
-        self.engine_idle = _gauge("nanoserve:engine_idle_seconds",
-                                  "Engine-core loop time spent waiting for input with nothing to run")
-        self.spec_drafts = _gauge("nanoserve:spec_decode_num_draft_tokens", "Speculative draft tokens verified")
-        self.spec_accepted = _gauge("nanoserve:spec_decode_num_accepted_tokens", "Speculative draft tokens accepted")
+        # Engine-wide: most recent value of any API server (each hears every core's stats).
+        self.totals = {name: Gauge(f"nanoserve:{name}", doc, multiprocess_mode="mostrecent")
+                       for name, doc, _ in ENGINE_GAUGES}
+        self.per_engine = {name: Gauge(f"nanoserve:per_engine_{name}", f"{doc}, per engine core", ["engine"],
+                                       multiprocess_mode="mostrecent") for name, doc, _ in ENGINE_GAUGES}
 
-    def update_engine(self, stats: SchedulerStats) -> None:
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.kv_usage.set(stats.kv_cache_usage)
-        self.prefix_queries.set(stats.prefix_queried_tokens)
-        self.prefix_hits.set(stats.prefix_hit_tokens)
-        self.prefix_hit_rate.set(stats.prefix_hit_tokens / stats.prefix_queried_tokens
-                                 if stats.prefix_queried_tokens else 0.0)
-        self.preemptions.set(stats.num_preemptions)
-        self.engine_idle.set(stats.idle_seconds)
-        self.spec_drafts.set(stats.spec_draft_tokens)
-        self.spec_accepted.set(stats.spec_accepted_tokens)
+    def update_engines(self, stats: list[SchedulerStats]) -> None:
+        """Per-engine series, and totals: sums, the mean KV usage, the hit rate over all cores' tokens."""
+        values = [engine_gauge_values(s) for s in stats]
+        for name, _, combine in ENGINE_GAUGES:
+            column = [v[name] for v in values]
+            for i, value in enumerate(column):
+                self.per_engine[name].labels(engine=str(i)).set(value)
+            if combine == "mean":
+                total = sum(column) / len(column)
+            elif combine == "ratio":
+                queries = sum(s.prefix_queried_tokens for s in stats)
+                total = sum(s.prefix_hit_tokens for s in stats) / queries if queries else 0.0
+            else:
+                total = sum(column)
+            self.totals[name].set(total)
 
     @staticmethod
     def render() -> tuple[bytes, str]:
