@@ -31,15 +31,16 @@ def test_a_repeated_prefix_goes_back_to_its_engine():
     assert router.num_affinity_routed == 8
 
 
-def test_affinity_yields_to_an_overloaded_engine():
-    router = EngineRouter(2, RouterConfig(balance_rel=1.5, balance_abs_tokens=1000))
-    home = router.choose(prompt(1))
-    router.add(home, 1500)  # over the absolute margin but not the relative one (other is 0: 1.5x of 0)
-    assert router.choose(prompt(1)) != home
-    router = EngineRouter(2, RouterConfig(balance_rel=1.5, balance_abs_tokens=1000))
-    home = router.choose(prompt(1))
-    router.add(home, 900)  # within the absolute margin: stays
-    assert router.choose(prompt(1)) == home
+def test_affinity_yields_when_the_load_difference_outweighs_the_cached_prefill():
+    router = EngineRouter(2, RouterConfig(cached_token_weight=2.0))
+    home = router.choose(prompt(1))  # 4 blocks: 64 tokens cached there, worth 128 of load
+    router.add(home, 120)
+    assert router.choose(prompt(1)) == home  # 120 more tokens of load than the other
+    router.add(home, 10)
+    other = router.choose(prompt(1))
+    assert other != home  # 130 more: the other engine, which now caches it too
+    router.add(other, 140)
+    assert router.choose(prompt(1)) == home  # both cache it: the least loaded
 
 
 def test_least_loaded_without_affinity_and_ties_take_turns():
@@ -56,12 +57,12 @@ def test_prefix_memory_is_bounded():
     router = EngineRouter(2, RouterConfig(capacity=8))
     for tag in range(10):
         router.choose(prompt(tag))
-    assert len(router.prefix_owner) == 8
+    assert len(router.prefix_engines) == 8
 
 
 def test_one_engine_is_always_chosen():
     router = EngineRouter(1)
-    assert router.choose(prompt(1)) == 0 and not router.prefix_owner
+    assert router.choose(prompt(1)) == 0 and not router.prefix_engines
 
 
 def test_engine_cpu_sets():

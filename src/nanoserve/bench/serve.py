@@ -163,18 +163,24 @@ async def prefix_counts(http: aiohttp.ClientSession, url: str) -> tuple[Optional
 async def run(url: str, model: Optional[str], concurrency: int, num_prompts: int, input_len: int, output_len: int,
               ban: dict, seed: int = 0, schema_share: float = 0.0, distinct_schemas: bool = False,
               chat_tools: Optional[str] = None, workload: str = "random", num_prefixes: int = 4,
-              prefix_len: int = 400) -> dict:
+              prefix_len: int = 400, request_rate: float = 0.0) -> dict:
     """`schema_share`: the fraction of requests (spread evenly) sent with a JSON schema (`bench_schema`);
-    `workload`: how prompts are made (`make_prompts`)."""
+    `workload`: how prompts are made (`make_prompts`); `request_rate` > 0: requests arrive as a Poisson
+    process of that many a second (still at most `concurrency` in flight), else all at once."""
     rng = random.Random(seed)
     prompts = make_prompts(rng, num_prompts, input_len, workload, num_prefixes, prefix_len)
+    arrivals, t = [], 0.0
+    for _ in prompts:
+        arrivals.append(t)
+        t += rng.expovariate(request_rate) if request_rate > 0 else 0.0
     structured = [int((i + 1) * schema_share) > int(i * schema_share) for i in range(num_prompts)]
     schemas = [bench_schema(i + seed * num_prompts if distinct_schemas else None) if s else None
                for i, s in enumerate(structured)]
     semaphore = asyncio.Semaphore(concurrency)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
                                      connector=aiohttp.TCPConnector(limit=concurrency + 8, force_close=True)) as http:
-        async def limited(p, schema):
+        async def limited(p, schema, arrival):
+            await asyncio.sleep(start + arrival - time.perf_counter())
             async with semaphore:
                 return await one_request(http, url, model, p, output_len, ban, schema, chat_tools)
 
@@ -192,7 +198,7 @@ async def run(url: str, model: Optional[str], concurrency: int, num_prompts: int
         drafts_before, accepted_before = await spec_counts(http, url)
         prefix_before = await prefix_counts(http, url)
         start = time.perf_counter()
-        results = await asyncio.gather(*(limited(p, s) for p, s in zip(prompts, schemas)))
+        results = await asyncio.gather(*(limited(p, s, a) for p, s, a in zip(prompts, schemas, arrivals)))
         wall = time.perf_counter() - start
         idle_after = await engine_idle_seconds(http, url)
         await asyncio.sleep(0.2)  # engine gauges follow the engine's stats a little after the last answer
@@ -202,7 +208,7 @@ async def run(url: str, model: Optional[str], concurrency: int, num_prompts: int
     structured_ttfts = [r.ttft for r, s in zip(results, schemas) if r.ok and s is not None]
     gaps = [g for r in good for g in r.gaps]
     ttfts = [r.ttft for r in good]
-    report = {"concurrency": concurrency, "requests": len(results), "failed": len(results) - len(good),
+    report = {"concurrency": concurrency, "request_rate": request_rate, "requests": len(results), "failed": len(results) - len(good),
               "wall_s": wall, "req_per_s": len(good) / wall, "output_tok_per_s": sum(r.output_tokens for r in good) / wall,
               "ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99),
               "itl_p50": percentile(gaps, 50), "itl_p99": percentile(gaps, 99),
@@ -242,6 +248,9 @@ def main(argv=None) -> None:
                     help="prompts of random words; a word list given twice that the output repeats (where "
                          "--speculative-ngram applies); or one of a few shared system prompts before each "
                          "request's own words (where the prefix cache and data-parallel routing apply)")
+    ap.add_argument("--request-rate", type=float, default=0.0,
+                    help="requests a second, arriving as a Poisson process (default 0: all at once, so that "
+                         "--concurrency are always in flight)")
     ap.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: how many system prompts")
     ap.add_argument("--prefix-len", type=int, default=400, help="shared-prefix: words per system prompt")
     ap.add_argument("--json", action="store_true", help="print one JSON line per level")
@@ -255,7 +264,7 @@ def main(argv=None) -> None:
                                  args.input_len, args.output_len, ban, schema_share=args.json_schema_share,
                                  distinct_schemas=args.distinct_schemas, chat_tools=args.chat_tools,
                                  workload=args.workload, num_prefixes=args.num_prefixes,
-                                 prefix_len=args.prefix_len))
+                                 prefix_len=args.prefix_len, request_rate=args.request_rate))
         report["label"] = args.label
         if args.json:
             print(json.dumps(report), flush=True)

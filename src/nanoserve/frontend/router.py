@@ -1,6 +1,6 @@
 """`EngineRouter`: which of N data-parallel engine cores gets a request. Least-loaded (tokens waiting
 and running there), with prefix affinity: a prompt whose first blocks were recently sent to one engine
-goes there again, where they are cached, unless that engine is overloaded."""
+goes there again, where they are cached, unless that engine is loaded by more than what the cache saves."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -14,10 +14,9 @@ class RouterConfig:
     block_size: int = 16  # tokens per hashed prefix block (the engine's KV block size)
     max_blocks: int = 128  # prefix blocks hashed per prompt (2048 tokens at 16)
     capacity: int = 1 << 16  # prefix blocks remembered, least recently routed forgotten first
-    # Affinity yields when the cached engine's load exceeds the least-loaded one's by both margins:
-    # `balance_rel` times it and `balance_abs_tokens` more (SGLang's cache-aware router has the same two).
-    balance_rel: float = 1.5
-    balance_abs_tokens: int = 4096
+    # What a prompt token already in an engine's cache is worth against a token of load elsewhere: a miss
+    # costs its prefill and keeps a second copy of the prefix in another cache (scripts/dp_compare.sh).
+    cached_token_weight: float = 4.0
 
 
 def prefix_block_hashes(token_ids: list[int], block_size: int, max_blocks: int) -> list[int]:
@@ -38,48 +37,52 @@ class EngineRouter:
         self.num_engines, self.config = num_engines, config
         self.own_load = [0] * num_engines
         self.reported_load = [0] * num_engines
-        self.prefix_owner: OrderedDict[int, int] = OrderedDict()  # block hash -> engine, LRU order
+        # block hash -> bit mask of the engines it was sent to, least recently routed first
+        self.prefix_engines: OrderedDict[int, int] = OrderedDict()
         self.next_tie = 0  # equal loads take turns
         self.num_affinity_routed = 0
 
     def load(self, engine: int) -> int:
         return max(self.own_load[engine], self.reported_load[engine])
 
-    def least_loaded(self) -> int:
-        loads = [self.load(i) for i in range(self.num_engines)]
-        low = min(loads)
-        ties = [i for i, x in enumerate(loads) if x == low]
-        choice = ties[self.next_tie % len(ties)]
-        self.next_tie += 1
-        return choice
-
-    def cached_engine(self, hashes: list[int]) -> Optional[int]:
-        """The engine that was sent the longest of these prefixes most recently; None if none is known."""
-        for h in reversed(hashes):
-            engine = self.prefix_owner.get(h)
-            if engine is not None:
-                return engine
-        return None
+    def cached_tokens(self, hashes: list[int]) -> dict[int, int]:
+        """Engine -> how many of these prompt tokens it was sent before (its longest prefix of them)."""
+        found: dict[int, int] = {}
+        for k in range(len(hashes) - 1, -1, -1):
+            mask = self.prefix_engines.get(hashes[k], 0)
+            engine = 0
+            while mask:
+                if mask & 1 and engine not in found:
+                    found[engine] = (k + 1) * self.config.block_size
+                mask >>= 1
+                engine += 1
+            if len(found) == self.num_engines:
+                break
+        return found
 
     def choose(self, prompt_token_ids: list[int]) -> int:
-        """The engine for a new request; remembers its prefix blocks as sent there."""
+        """The engine for a new request: the least (load - weight x prompt tokens it has cached), that is
+        the least loaded unless another's cache is worth more than the difference in load; equal ones
+        take turns. Remembers the request's prefix blocks as sent there (a prefix that spilled over is then
+        cached on both, and later requests may go to either)."""
         if self.num_engines == 1:
             return 0
         cfg = self.config
         hashes = prefix_block_hashes(prompt_token_ids, cfg.block_size, cfg.max_blocks) if cfg.affinity else []
-        engine = self.least_loaded()
-        cached = self.cached_engine(hashes)
-        if cached is not None and cached != engine:
-            low, mine = self.load(engine), self.load(cached)
-            if not (mine > cfg.balance_rel * low and mine > low + cfg.balance_abs_tokens):
-                engine = cached
-        if cached == engine:
+        cached = self.cached_tokens(hashes)
+        costs = [self.load(i) - cfg.cached_token_weight * cached.get(i, 0) for i in range(self.num_engines)]
+        low = min(costs)
+        ties = [i for i, c in enumerate(costs) if c == low]
+        engine = ties[self.next_tie % len(ties)]
+        self.next_tie += 1
+        if cached.get(engine, 0) == max(cached.values(), default=-1):
             self.num_affinity_routed += 1
+        bit, known = 1 << engine, self.prefix_engines
         for h in hashes:
-            self.prefix_owner[h] = engine
-            self.prefix_owner.move_to_end(h)
-        while len(self.prefix_owner) > cfg.capacity:
-            self.prefix_owner.popitem(last=False)
+            known[h] = known.get(h, 0) | bit
+            known.move_to_end(h)
+        while len(known) > cfg.capacity:
+            known.popitem(last=False)
         return engine
 
     def add(self, engine: int, tokens: int) -> None:
