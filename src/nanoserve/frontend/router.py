@@ -19,13 +19,50 @@ class RouterConfig:
     cached_token_weight: float = 4.0
 
 
-def prefix_block_hashes(token_ids: list[int], block_size: int, max_blocks: int) -> list[int]:
-    """One chained hash per full block of the prompt's start: hash k covers tokens [0, (k+1) * block_size)."""
+def prefix_block_hashes(seq, block_size: int, max_blocks: int) -> list[int]:
+    """One chained hash per full block of a prompt's start (token ids, or text for a router that sees no
+    tokens): hash k covers items [0, (k+1) * block_size)."""
     hashes, h = [], 0
-    for k in range(min(len(token_ids) // block_size, max_blocks)):
-        h = hash((h, tuple(token_ids[k * block_size:(k + 1) * block_size])))
+    for k in range(min(len(seq) // block_size, max_blocks)):
+        piece = seq[k * block_size:(k + 1) * block_size]
+        h = hash((h, piece if isinstance(piece, str) else tuple(piece)))
         hashes.append(h)
     return hashes
+
+
+class PrefixMemory:
+    """Which routing targets (engines, replicas) each prefix block was sent to; the least recently routed
+    blocks are forgotten first, beyond `capacity`."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.blocks: OrderedDict[int, set] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def matched(self, hashes: list[int], num_targets: int) -> dict:
+        """Target -> how many of these leading blocks it was sent (its longest prefix of them)."""
+        found: dict = {}
+        for k in range(len(hashes) - 1, -1, -1):
+            for target in self.blocks.get(hashes[k], ()):
+                found.setdefault(target, k + 1)
+            if len(found) >= num_targets:
+                break
+        return found
+
+    def record(self, hashes: list[int], target) -> None:
+        blocks = self.blocks
+        for h in hashes:
+            blocks.setdefault(h, set()).add(target)
+            blocks.move_to_end(h)
+        while len(blocks) > self.capacity:
+            blocks.popitem(last=False)
+
+    def forget(self, target) -> None:
+        """A target that went away: no prefix is cached there any more."""
+        for targets in self.blocks.values():
+            targets.discard(target)
 
 
 class EngineRouter:
@@ -37,28 +74,12 @@ class EngineRouter:
         self.num_engines, self.config = num_engines, config
         self.own_load = [0] * num_engines
         self.reported_load = [0] * num_engines
-        # block hash -> bit mask of the engines it was sent to, least recently routed first
-        self.prefix_engines: OrderedDict[int, int] = OrderedDict()
+        self.prefixes = PrefixMemory(config.capacity)
         self.next_tie = 0  # equal loads take turns
         self.num_affinity_routed = 0
 
     def load(self, engine: int) -> int:
         return max(self.own_load[engine], self.reported_load[engine])
-
-    def cached_tokens(self, hashes: list[int]) -> dict[int, int]:
-        """Engine -> how many of these prompt tokens it was sent before (its longest prefix of them)."""
-        found: dict[int, int] = {}
-        for k in range(len(hashes) - 1, -1, -1):
-            mask = self.prefix_engines.get(hashes[k], 0)
-            engine = 0
-            while mask:
-                if mask & 1 and engine not in found:
-                    found[engine] = (k + 1) * self.config.block_size
-                mask >>= 1
-                engine += 1
-            if len(found) == self.num_engines:
-                break
-        return found
 
     def choose(self, prompt_token_ids: list[int]) -> int:
         """The engine for a new request: the least (load - weight x prompt tokens it has cached), that is
@@ -69,7 +90,8 @@ class EngineRouter:
             return 0
         cfg = self.config
         hashes = prefix_block_hashes(prompt_token_ids, cfg.block_size, cfg.max_blocks) if cfg.affinity else []
-        cached = self.cached_tokens(hashes)
+        cached = {engine: blocks * cfg.block_size
+                  for engine, blocks in self.prefixes.matched(hashes, self.num_engines).items()}
         costs = [self.load(i) - cfg.cached_token_weight * cached.get(i, 0) for i in range(self.num_engines)]
         low = min(costs)
         ties = [i for i, c in enumerate(costs) if c == low]
@@ -77,12 +99,7 @@ class EngineRouter:
         self.next_tie += 1
         if cached.get(engine, 0) == max(cached.values(), default=-1):
             self.num_affinity_routed += 1
-        bit, known = 1 << engine, self.prefix_engines
-        for h in hashes:
-            known[h] = known.get(h, 0) | bit
-            known.move_to_end(h)
-        while len(known) > cfg.capacity:
-            known.popitem(last=False)
+        self.prefixes.record(hashes, engine)
         return engine
 
     def add(self, engine: int, tokens: int) -> None:
