@@ -201,7 +201,7 @@ async def run(url: str, model: Optional[str], concurrency: int, num_prompts: int
         results = await asyncio.gather(*(limited(p, s, a) for p, s, a in zip(prompts, schemas, arrivals)))
         wall = time.perf_counter() - start
         idle_after = await engine_idle_seconds(http, url)
-        await asyncio.sleep(0.2)  # engine gauges follow the engine's stats a little after the last answer
+        await asyncio.sleep(0.5)  # engine gauges follow the engine's stats a little after the last answer
         drafts_after, accepted_after = await spec_counts(http, url)
         prefix_after = await prefix_counts(http, url)
     good = [r for r in results if r.ok]

@@ -67,6 +67,7 @@ class RequestIdAndAuth:
         await self.app(scope, receive, send_with_id)
 
 
+ENGINE_GAUGE_PERIOD_S = 0.2  # each gauge write checks the pid and writes an mmap: not at every step
 READY_WAIT_S = 5.0  # how long a request waits for this API server's engine handshake before a 503
 
 
@@ -95,11 +96,13 @@ def create_app(settings: ServerConfig, tokenizer) -> FastAPI:
         serving.set_max_model_len(info.max_model_len)
         ready.set()
         logger.info("engine core ready: max_model_len %d; %s", info.max_model_len, info.compute.summary())
-        while not llm.dead:  # engine-wide gauges follow the latest stats each core sent
+        last = None
+        while not llm.dead:  # engine-wide gauges follow the latest stats each core sent, 5 times a second
             stats = llm.engine_stats
-            if all(s is not None for s in stats):
+            if all(s is not None for s in stats) and stats != last:
                 metrics.update_engines(stats)
-            await asyncio.sleep(0.05)
+                last = stats
+            await asyncio.sleep(ENGINE_GAUGE_PERIOD_S)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
