@@ -33,6 +33,15 @@ def per_engine(server: ServerProcess, name: str) -> list[float]:
     return [found.get(i, 0.0) for i in range(2)]
 
 
+def eventually(read, ok, timeout: float = 10.0):
+    """`read()` once `ok` holds for it, or its last value after `timeout` s: engine gauges follow the
+    engine's stats a moment after the answers."""
+    deadline = time.monotonic() + timeout
+    while not ok(value := read()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return value
+
+
 def complete(server: ServerProcess, prompt: str, **kw) -> dict:
     body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, **kw}
     r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
@@ -53,7 +62,8 @@ def test_requests_spread_over_both_cores(dp_server):
                for i in range(6)]
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         list(pool.map(lambda p: complete(dp_server, p, max_tokens=24), prompts))
-    after = per_engine(dp_server, "prefix_cache_queries")
+    after = eventually(lambda: per_engine(dp_server, "prefix_cache_queries"),
+                       lambda now: all(a > b for a, b in zip(now, before)))
     assert all(a > b for a, b in zip(after, before)), (before, after)
 
 
@@ -62,8 +72,9 @@ def test_repeated_prefixes_land_on_the_core_that_cached_them(dp_server):
     for turn in range(3):
         for system in SYSTEM:
             complete(dp_server, f"{system}\nUser {turn}: hello?")
+    d_hits = eventually(lambda: [a - b for a, b in zip(per_engine(dp_server, "prefix_cache_hits"), hits)],
+                        lambda now: sum(now) >= 4 * 32)
     d_queries = [a - b for a, b in zip(per_engine(dp_server, "prefix_cache_queries"), queries)]
-    d_hits = [a - b for a, b in zip(per_engine(dp_server, "prefix_cache_hits"), hits)]
     # Each system prompt is 2+ blocks; turns 2 and 3 of each find them where turn 1 left them.
     assert sum(d_hits) >= 4 * 32, (d_queries, d_hits)
     assert all(q > 0 for q in d_queries)  # the two prompts went to different cores (least loaded first)
@@ -98,7 +109,7 @@ def test_a_disconnect_frees_blocks_on_its_core(dp_server):
             time.sleep(0.1)
         assert sorted(running) == [0.0, 1.0]
         core = running.index(1.0)
-        assert per_engine(dp_server, "kv_cache_usage_perc")[core] > 0
+        assert eventually(lambda: per_engine(dp_server, "kv_cache_usage_perc")[core], lambda v: v > 0) > 0
     deadline = time.monotonic() + 10  # the client went away: that core aborts the request and frees its blocks
     while per_engine(dp_server, "kv_cache_usage_perc")[core] > 0 and time.monotonic() < deadline:
         time.sleep(0.1)
