@@ -89,15 +89,16 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, caches: list[KVCache],
                 logits_indices: torch.Tensor) -> torch.Tensor:
-        """input_ids: (T,). Returns float32 logits (len(logits_indices), vocab). The vocabulary projection
-        runs on float32 activations whatever `meta.int8_activations` says."""
+        """input_ids: (T,). Returns float32 logits (len(logits_indices), vocab). With `meta.int8_activations`
+        the vocabulary projection quantizes its input too, as llama.cpp does for a block-type output
+        matrix: it halves that product's time at batch 1 (SmolLM2's Q8_0 head: 1.14-1.24 -> 0.63-0.66 ms)."""
         meta.rope_cos, meta.rope_sin = self.rope.lookup(meta.positions)
         x = self.embed_tokens(input_ids).contiguous()
         if not (self.fuse_decode_layers and meta.backend.fused_decode_layers(self, x, caches, meta)):
             for layer, cache in zip(self.layers, caches):
                 x = layer(x, cache, meta)
         x = self.norm(x[logits_indices], meta.backend)
-        return self.lm_head(x, meta.backend).float()
+        return self.lm_head(x, meta.backend, meta.int8_activations).float()
 
     def load_weights(self, state: dict) -> None:
         """Takes weights under Hugging Face names: matrices as QuantWeight (kept as they are, q/k/v and
