@@ -40,7 +40,8 @@ NS_ALWAYS_INLINE __m256i dot_codes(int t, __m256i wv, __m256i wabs, __m256i xv, 
  * time, each thread's weight rows one sequential stream, prefetched STREAM_PREFETCH_BYTES ahead
  * (measured on weights four times the L3: ahead of what the hardware prefetcher reaches alone, and
  * faster than several weight rows side by side, whose interleaved streams it follows badly). */
-#define STREAM_MAX_ROWS 2 /* measured: the GEMM is faster from 3 rows */
+#define STREAM_MAX_ROWS 8 /* measured (nanoserve bench kernels, Q4_1 and Q8_0, 2026-12-03): the tiled GEMM
+                             * took 2.4-3.5x the streaming time at 3 to 8 rows; at 16 it is faster */
 #define STREAM_PREFETCH_BYTES 4096
 
 /* out = dx * (the integer part's lanes summed) + (the minimum term): one function for every int8 kernel. */
@@ -55,8 +56,16 @@ static inline float finish(float dx, __m256 acc, float m_term) {
 #define STREAM_ROWS_CASE(T, ROW)                                                                             \
     case T:                                                                                                  \
         _Pragma("omp parallel for schedule(static)") for (int64_t n = 0; n < N; n++) {                       \
-            if (M == 1) ROW(T, xq, data + n * rb, out + n, ldo, 1, nb);                                      \
-            else ROW(T, xq, data + n * rb, out + n, ldo, 2, nb);                                             \
+            switch (M) {                                                                                     \
+            case 1: ROW(T, xq, data + n * rb, out + n, ldo, 1, nb); break;                                   \
+            case 2: ROW(T, xq, data + n * rb, out + n, ldo, 2, nb); break;                                   \
+            case 3: ROW(T, xq, data + n * rb, out + n, ldo, 3, nb); break;                                   \
+            case 4: ROW(T, xq, data + n * rb, out + n, ldo, 4, nb); break;                                   \
+            case 5: ROW(T, xq, data + n * rb, out + n, ldo, 5, nb); break;                                   \
+            case 6: ROW(T, xq, data + n * rb, out + n, ldo, 6, nb); break;                                   \
+            case 7: ROW(T, xq, data + n * rb, out + n, ldo, 7, nb); break;                                   \
+            default: ROW(T, xq, data + n * rb, out + n, ldo, 8, nb); break;                                  \
+            }                                                                                                \
         }                                                                                                    \
         break;
 
