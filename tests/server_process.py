@@ -61,6 +61,13 @@ class ServerProcess:
             time.sleep(0.1)
         return current
 
+    def wait_until(self, name: str, ok, timeout: float = 10.0) -> float:
+        """The metric once `ok(value)` holds, or its last reading after `timeout` s (engine gauges)."""
+        deadline = time.monotonic() + timeout
+        while not ok(current := self.metric(name, 0.0)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return current
+
     def children(self) -> list[int]:
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
         return [int(x) for x in out.split()]

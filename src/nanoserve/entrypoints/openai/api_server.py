@@ -67,7 +67,7 @@ class RequestIdAndAuth:
         await self.app(scope, receive, send_with_id)
 
 
-ENGINE_GAUGE_PERIOD_S = 0.2  # each gauge write checks the pid and writes an mmap: not at every step
+ENGINE_GAUGE_PERIOD_S = 0.1  # each gauge write checks the pid and writes an mmap: not at every step
 READY_WAIT_S = 5.0  # how long a request waits for this API server's engine handshake before a 503
 
 
@@ -97,7 +97,7 @@ def create_app(settings: ServerConfig, tokenizer) -> FastAPI:
         ready.set()
         logger.info("engine core ready: max_model_len %d; %s", info.max_model_len, info.compute.summary())
         last = None
-        while not llm.dead:  # engine-wide gauges follow the latest stats each core sent, 5 times a second
+        while not llm.dead:  # engine-wide gauges follow the latest stats each core sent, 10 times a second
             stats = llm.engine_stats
             if all(s is not None for s in stats) and stats != last:
                 metrics.update_engines(stats)
