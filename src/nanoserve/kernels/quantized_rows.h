@@ -53,18 +53,25 @@ static inline float finish(float dx, __m256 acc, float m_term) {
  * per type so that the type is a literal inside it (GCC outlines OpenMP regions before it inlines), and M
  * a literal, so that x's vectors and the accumulators stay in registers (with M a run-time value GCC
  * turned the loads into memcpy calls). Uses the caller's xq, data, rb, N, out, ldo, M and nb. */
+#if defined(__AVX2__)
+#define STREAM_ROW_COUNTS(T, ROW)                                                                            \
+    case 3: ROW(T, xq, data + n * rb, out + n, ldo, 3, nb); break;                                           \
+    case 4: ROW(T, xq, data + n * rb, out + n, ldo, 4, nb); break;                                           \
+    case 5: ROW(T, xq, data + n * rb, out + n, ldo, 5, nb); break;                                           \
+    case 6: ROW(T, xq, data + n * rb, out + n, ldo, 6, nb); break;                                           \
+    case 7: ROW(T, xq, data + n * rb, out + n, ldo, 7, nb); break;                                           \
+    case 8: ROW(T, xq, data + n * rb, out + n, ldo, 8, nb); break;
+#else /* the portable build: one copy for 3+ rows (eight literal copies of plain C took minutes to compile) */
+#define STREAM_ROW_COUNTS(T, ROW)
+#endif
 #define STREAM_ROWS_CASE(T, ROW)                                                                             \
     case T:                                                                                                  \
         _Pragma("omp parallel for schedule(static)") for (int64_t n = 0; n < N; n++) {                       \
             switch (M) {                                                                                     \
             case 1: ROW(T, xq, data + n * rb, out + n, ldo, 1, nb); break;                                   \
             case 2: ROW(T, xq, data + n * rb, out + n, ldo, 2, nb); break;                                   \
-            case 3: ROW(T, xq, data + n * rb, out + n, ldo, 3, nb); break;                                   \
-            case 4: ROW(T, xq, data + n * rb, out + n, ldo, 4, nb); break;                                   \
-            case 5: ROW(T, xq, data + n * rb, out + n, ldo, 5, nb); break;                                   \
-            case 6: ROW(T, xq, data + n * rb, out + n, ldo, 6, nb); break;                                   \
-            case 7: ROW(T, xq, data + n * rb, out + n, ldo, 7, nb); break;                                   \
-            default: ROW(T, xq, data + n * rb, out + n, ldo, 8, nb); break;                                  \
+            STREAM_ROW_COUNTS(T, ROW)                                                                        \
+            default: ROW(T, xq, data + n * rb, out + n, ldo, M, nb); break;                                  \
             }                                                                                                \
         }                                                                                                    \
         break;
