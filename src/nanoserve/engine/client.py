@@ -77,9 +77,6 @@ class EngineCoreClient:
         self._send(AddRequest(request))
         await future
 
-    async def abort(self, request_ids: list[str]) -> None:
-        self.abort_soon(request_ids)
-
     def abort_soon(self, request_ids: list[str]) -> None:
         """Sends an abort now (callable from sync code and cancelled tasks)."""
         if request_ids and not self.dead:
