@@ -18,6 +18,7 @@ for M in "$@"; do
     wait_up http://127.0.0.1:8031/health
     .venv/bin/nanoserve bench serve --url http://127.0.0.1:8031 --concurrency 1,8,32 --output-len "$OUTPUT_LEN" \
         --label "nanoserve $name" --json
+    sleep 3  # resident memory once the load is over (the engine hands freed heap back when it goes idle)
     echo "{\"label\": \"nanoserve $name\", \"rss_mib\": $(tree_rss_mib $pid)}"
     kill -INT $pid; wait $pid 2>/dev/null; sleep 2
     if [ -x "${LLAMA_SERVER:-}" ]; then
@@ -26,6 +27,7 @@ for M in "$@"; do
         wait_up http://127.0.0.1:8032/health
         .venv/bin/nanoserve bench serve --url http://127.0.0.1:8032 --concurrency 1,8,32 --output-len "$OUTPUT_LEN" \
             --label "llama-server $name" --json
+        sleep 3
         echo "{\"label\": \"llama-server $name\", \"rss_mib\": $(tree_rss_mib $pid)}"
         kill $pid; wait $pid 2>/dev/null; sleep 2
     fi

@@ -26,6 +26,12 @@
 
 #define NS_ALWAYS_INLINE static inline __attribute__((always_inline))
 
+/* How far ahead of its reads every streaming kernel (a decode step's products, any weight type)
+ * prefetches the weights: farther than the hardware prefetcher reaches alone. Measured 2026-12-03
+ * (AMD EPYC, 2 threads, `nanoserve bench kernels --types F16,BF16 --rows 1 --k 1536`): F16 at 1 row
+ * 9.5-12.1 ms without, 4.2-7.0 with it. */
+#define STREAM_PREFETCH_BYTES 4096
+
 /* The block types, for the switches that instantiate a kernel per type (X(type) per entry). */
 #define FOR_EACH_BLOCK_TYPE(X) X(T_Q4_0) X(T_Q4_1) X(T_Q5_0) X(T_Q5_1) X(T_Q8_0) X(T_Q4_K) X(T_Q5_K) X(T_Q6_K) X(T_IQ4_NL)
 

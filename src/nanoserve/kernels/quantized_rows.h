@@ -38,11 +38,10 @@ NS_ALWAYS_INLINE __m256i dot_codes(int t, __m256i wv, __m256i wabs, __m256i xv, 
 
 /* The streaming kernels (decode steps): up to STREAM_MAX_ROWS rows of x against one weight row at a
  * time, each thread's weight rows one sequential stream, prefetched STREAM_PREFETCH_BYTES ahead
- * (measured on weights four times the L3: ahead of what the hardware prefetcher reaches alone, and
- * faster than several weight rows side by side, whose interleaved streams it follows badly). */
+ * (quant_blocks.h). Several weight rows side by side were measured no faster (2026-12-03, AMD EPYC:
+ * 2 or 4 rows at 1 row of x, 12% faster on weights in cache, up to 2x slower on weights 4x the L3). */
 #define STREAM_MAX_ROWS 8 /* measured (nanoserve bench kernels, Q4_1 and Q8_0, 2026-12-03): the tiled GEMM
                              * took 2.4-3.5x the streaming time at 3 to 8 rows; at 16 it is faster */
-#define STREAM_PREFETCH_BYTES 4096
 
 /* out = dx * (the integer part's lanes summed) + (the minimum term): one function for every int8 kernel. */
 static inline float finish(float dx, __m256 acc, float m_term) {

@@ -50,6 +50,7 @@ NS_ALWAYS_INLINE void stream_block_row(int t, const float *x, const uint8_t *row
             macc[r] = 0.0f;
         }
         for (int64_t b = 0; b < nb; b++) {
+            _mm_prefetch((const char *)row + b * type_block_bytes(t) + STREAM_PREFETCH_BYTES, _MM_HINT_T0);
             const Sub32 s = decode32(t, row, b);
             __m256 q[4];
             codes_to_float(t, s.q, q);
@@ -77,13 +78,15 @@ NS_ALWAYS_INLINE void stream_block_row(int t, const float *x, const uint8_t *row
 #define FLOAT_ROWS 2
 NS_ALWAYS_INLINE void stream_float_row(int t, const float *x, const uint8_t *row, float *out, int64_t M, int64_t K,
                                        int64_t ldo) {
-    const int64_t K32 = K / 32 * 32, K8 = K / 8 * 8;
+    const int64_t K32 = K / 32 * 32, K8 = K / 8 * 8, elem = t == T_F32 ? 4 : 2;
     for (int64_t i0 = 0; i0 < M; i0 += FLOAT_ROWS) {
         const int64_t rows = M - i0 < FLOAT_ROWS ? M - i0 : FLOAT_ROWS;
         __m256 acc[FLOAT_ROWS][4];
         for (int r = 0; r < FLOAT_ROWS; r++)
             for (int u = 0; u < 4; u++) acc[r][u] = _mm256_setzero_ps();
         for (int64_t k = 0; k < K32; k += 32) {
+            _mm_prefetch((const char *)row + k * elem + STREAM_PREFETCH_BYTES, _MM_HINT_T0);
+            if (elem == 4) _mm_prefetch((const char *)row + k * 4 + 64 + STREAM_PREFETCH_BYTES, _MM_HINT_T0);
             __m256 wv[4];
             for (int u = 0; u < 4; u++) wv[u] = load8_float_type(t, row, k + 8 * u);
             for (int64_t r = 0; r < rows; r++)
