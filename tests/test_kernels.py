@@ -96,7 +96,9 @@ def test_float_activation_product_matches_reference(qtype):
 def test_int8_activation_product_is_the_product_with_quantized_x(qtype):
     """On block types, int8 activations: equals x quantized per block (quant.quantize_activations) times
     the dequantized weight, to float32 summation error, at every row count; stays within ~2% of the
-    exact product; and each output row does not depend on the rows around it."""
+    exact product (5% on the K types, whose x takes one scale per 256 values as llama.cpp's Q8_K: the
+    outlier channel coarsens its whole super-block, measured 3.7%); and each output row does not depend
+    on the rows around it."""
     w = random_weight(qtype, 70, 512, seed=4)
     exact = w.dequantize().double()
     g = torch.Generator().manual_seed(2)
@@ -104,13 +106,13 @@ def test_int8_activation_product_is_the_product_with_quantized_x(qtype):
     x[:, 7] *= 40  # an outlier channel, as real activations have
     full = C.weight_linear(x, w, int8=True)
     for rows in ROW_COUNTS:
-        ref = (quantize_activations(x[:rows]).double() @ exact.T).float()
+        ref = (quantize_activations(x[:rows], qtype).double() @ exact.T).float()
         out = C.weight_linear(x[:rows], w, int8=True)
         scale = ref.abs().max().item()
         torch.testing.assert_close(out, ref, atol=1e-5 * scale, rtol=0, msg=f"{qtype}, {rows} rows")
         torch.testing.assert_close(TORCH.linear(x[:rows], layer_of(w), int8=True), ref, atol=1e-5 * scale, rtol=0)
         truth = (x[:rows].double() @ exact.T).float()
-        assert ((out - truth).norm() / truth.norm()).item() < 0.02
+        assert ((out - truth).norm() / truth.norm()).item() < (0.05 if qtype.endswith("_K") else 0.02)
         assert torch.equal(out, full[:rows]), f"{qtype}: row results depend on the batch ({rows} rows)"
     assert torch.equal(C.weight_linear(torch.zeros(3, 512), w, int8=True), torch.zeros(3, 70))
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from nanoserve.config import KERNEL_CHOICES
 from nanoserve.kernels import abi
 from nanoserve.kernels.abi import check
-from nanoserve.kernels.quant import FLOAT_TYPES, QuantWeight, quantize_activations
+from nanoserve.kernels.quant import FLOAT_TYPES, K_TYPES, QuantWeight, quantize_activations
 
 logger = logging.getLogger(__name__)
 
@@ -52,17 +52,21 @@ class TorchBackend:
     def linear(self, x: torch.Tensor, layer, int8: bool) -> torch.Tensor:
         """x (M, K) float32 times `layer`'s weight (no bias). int8: x quantized per block first (the
         kernels' scheme, quant.quantize_activations) for the products on block-type parts."""
-        blocks = [p.qtype not in FLOAT_TYPES for p in layer.parts]
-        if not int8 or not any(blocks):
+        # what each part multiplies: x, or x quantized as the products with its type quantize it
+        kinds = ["float" if p.qtype in FLOAT_TYPES else "k" if p.qtype in K_TYPES else "block" for p in layer.parts]
+        if not int8 or all(k == "float" for k in kinds):
             return self._dense(x, layer.dense)
-        xq = quantize_activations(x)
-        if all(blocks):
-            return self._dense(xq, layer.dense)
+        inputs = {"float": x}
+        for kind, part in zip(kinds, layer.parts):
+            if kind not in inputs:
+                inputs[kind] = quantize_activations(x, part.qtype)
+        if len(set(kinds)) == 1:
+            return self._dense(inputs[kinds[0]], layer.dense)
         out, row = [], 0
         dense = layer.dense.to_dense() if layer.dense.is_mkldnn else layer.dense
-        for part, is_block in zip(layer.parts, blocks):
+        for part, kind in zip(layer.parts, kinds):
             n = part.shape[0]
-            out.append(F.linear(xq if is_block else x, dense[row:row + n]))
+            out.append(F.linear(inputs[kind], dense[row:row + n]))
             row += n
         return torch.cat(out, dim=-1)
 

@@ -26,9 +26,10 @@ static inline float hmax8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* x (M, K) into xq (quantized_rows.h): each row's scale dx from its largest |x|, then per block the
- * smallest integer scale s that keeps |q| <= 127. */
-static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, QuantizedRows *o) {
+/* x (M, K) into xq (quantized_rows.h): each row's scale dx from its largest |x|, then per group of
+ * `group` blocks (1, or K_GROUP_BLOCKS for the K types) the smallest integer scale s that keeps
+ * |q| <= 127. */
+static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int64_t group, QuantizedRows *o) {
     const int64_t nb = K / 32;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -42,6 +43,11 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, Quan
             for (int c = 0; c < 4; c++) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xr + b * 32 + c * 8)));
             amax[b] = hmax8(m);
             rmax = amax[b] > rmax ? amax[b] : rmax;
+        }
+        for (int64_t b0 = 0; i < M && group > 1 && b0 < nb; b0 += group) {
+            float g = 0.0f;
+            for (int64_t b = b0; b < b0 + group; b++) g = amax[b] > g ? amax[b] : g;
+            for (int64_t b = b0; b < b0 + group; b++) amax[b] = g;
         }
         const float dx = rmax / (127.0f * 32767.0f);
         o->dx[i] = dx;
@@ -57,6 +63,7 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, Quan
             if (i >= M || rmax == 0.0f) {
                 memset(q, 0, 32);
                 o->sum[i * nb + b] = o->ssum[i * nb + b] = 0.0f;
+                o->qsum[i * nb + b] = 0.0f;
                 continue;
             }
             const __m256 inv = _mm256_set1_ps(1.0f / ((float)s * dx));
@@ -71,6 +78,7 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, Quan
             __m128i h = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
             h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
             h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+            o->qsum[i * nb + b] = (float)_mm_cvtsi128_si32(h);
             o->ssum[i * nb + b] = (float)_mm_cvtsi128_si32(h) * (float)s;
             o->sum[i * nb + b] = o->ssum[i * nb + b] * dx;
         }
@@ -183,7 +191,7 @@ static void gemm_rows(const QuantizedRows *xq, const BlockWeight *w, float *out,
             const int64_t n0 = g * NGI, cols = N - n0 < NGI ? N - n0 : NGI;
             switch (w->type) {
 #define CASE(T) case T: gemm_group(T, xq, w, out, ldo, i0, M, nb, n0, cols, wu, dv, mt, m_terms); break;
-                FOR_EACH_BLOCK_TYPE(CASE)
+                FOR_EACH_BLOCK32_TYPE(CASE)
 #undef CASE
             default: break;
             }
@@ -239,22 +247,27 @@ static void stream_rows(const QuantizedRows *xq, const BlockWeight *w, float *ou
 #define CHUNK_ROWS 64
 
 /* out (M, columns of w, row stride ldo) = x (M, K) W^T, W of a block type, x quantized per block of 32:
- * few rows stream the weight blocks (bound by memory; the K types through k_quant_i8.c), more rows go
- * through the tiled GEMM. */
+ * few rows stream the weight blocks (bound by memory), more rows go through the tiled GEMM; the K types
+ * through k_quant_i8.c's kernels, with x's scale one per super-block. */
 void weight_gemm_i8(const float *x, const BlockWeight *w, float *out, int64_t M, int64_t ldo) {
     const int64_t K = w->k, nb = K / 32, Mp = (M + TR - 1) / TR * TR;
     QuantizedRows xq = {aligned_alloc(32, (size_t)(Mp * K)), aligned_alloc(32, sizeof(int16_t) * (size_t)(Mp * nb * 16)),
                         malloc(sizeof(float) * (size_t)Mp), malloc(sizeof(float) * (size_t)(Mp * nb)),
-                        malloc(sizeof(float) * (size_t)(Mp * nb))};
-    quantize_rows(x, M, Mp, K, &xq);
-    if (M <= STREAM_MAX_ROWS && TYPE_IS_K(w->type)) k_stream_i8(&xq, w, out, ldo, M);
+                        malloc(sizeof(float) * (size_t)(Mp * nb)), malloc(sizeof(float) * (size_t)(Mp * nb))};
+    const int k_type = TYPE_IS_K(w->type);
+    quantize_rows(x, M, Mp, K, k_type ? K_GROUP_BLOCKS : 1, &xq);
+    if (k_type && M <= STREAM_MAX_ROWS) k_gemm_i8(&xq, w, out, ldo, 0, M);
     else if (M <= STREAM_MAX_ROWS) stream_rows(&xq, w, out, ldo, M, nb);
     else
-        for (int64_t i0 = 0; i0 < M; i0 += CHUNK_ROWS)
-            gemm_rows(&xq, w, out, ldo, i0, M - i0 < CHUNK_ROWS ? M - i0 : CHUNK_ROWS, nb, w->n);
+        for (int64_t i0 = 0; i0 < M; i0 += CHUNK_ROWS) {
+            const int64_t rows = M - i0 < CHUNK_ROWS ? M - i0 : CHUNK_ROWS;
+            if (k_type) k_gemm_i8(&xq, w, out, ldo, i0, rows);
+            else gemm_rows(&xq, w, out, ldo, i0, rows, nb, w->n);
+        }
     free(xq.q);
     free(xq.s);
     free(xq.dx);
     free(xq.sum);
     free(xq.ssum);
+    free(xq.qsum);
 }

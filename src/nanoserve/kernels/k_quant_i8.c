@@ -1,12 +1,14 @@
-/* Decode steps (up to STREAM_MAX_ROWS rows of x) on W of a K type (Q4_K, Q5_K, Q6_K), x quantized to 8
- * bits per block of 32 (quantized_rows.h): each super-block's scales are unpacked once, as vectors,
- * instead of as scalars per sub-block (quant_blocks.h's decode32, which the tiled GEMM of int8_gemm.c
- * unpacks with, once per group of weight rows). Each output takes the GEMM's operations in the GEMM's
- * order, so a row's result does not depend on its batch. */
+/* x W^T for W of a K type (Q4_K, Q5_K, Q6_K), x quantized to 8 bits with one scale per super-block of
+ * 256 (quantized_rows.h, as llama.cpp's Q8_K): within a super-block every product is an integer, so the
+ * sub-blocks' scales multiply in vpmaddwd and the sums add as integers (exact); one float multiply-add
+ * per super-block then applies d (the weights') times x's scale. Decode steps stream the weights; more
+ * rows run a tiled GEMM. Both take the same operations in the same order for each output, so a row's
+ * result does not depend on its batch. */
 /* No fused a * b + c or reordered sums that one kernel would get and the other not (the build allows both). */
 #pragma GCC optimize("fp-contract=off", "no-associative-math")
 #include "simd.h"
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "abi.h"
@@ -14,26 +16,30 @@
 #include "quantized_rows.h"
 #include "vec_math.h"
 
-/* One super-block's scales as the products need them (k_dd): Q6_K's as 8 vectors, lanes 0-3 for
- * sub-block j's weights 0..15 and 4-7 for 16..31 (two scales per sub-block); Q4_K / Q5_K's one scale per
- * sub-block, broadcast where it is used, and each sub-block's minimum, negated. */
+/* One super-block's scales as its integer products need them: per sub-block j the 16 int16 multipliers
+ * of vpmaddwd (Q4_K / Q5_K: its six-bit scale in every lane; Q6_K: the scale of weights 0..15 in
+ * lanes 0-7 and of 16..31 in 8-15, the layout of vpmaddubsw's pair sums), the eight six-bit minimums
+ * as floats (Q4_K / Q5_K), and the float factors d and dmin. No sum can overflow: a sub-block's int32
+ * lane is at most 4 * 32 * 127 * 128 (Q6_K), a super-block's eight times that (< 2^24, so even its
+ * float is exact). */
 typedef struct {
-    __m256 q6_dd[8];
-    float sc[8];
-    float mneg[8];
-} KScales;
+    __m256i sc[8];
+    __m256 mn;
+    float d, dmin;
+} KIntScales;
 
-NS_ALWAYS_INLINE void k_super_scales(int t, const uint8_t *p, KScales *ks) {
+NS_ALWAYS_INLINE void k_int_scales(int t, const uint8_t *p, KIntScales *ks) {
     if (t == T_Q6_K) {
-        const __m256 d = _mm256_set1_ps(f16_at(p + 208));
-        const __m128i sc = _mm_loadu_si128((const __m128i *)(p + 192)); /* 16 signed scales, one per 16 weights */
-        const __m256 lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
-        const __m256 hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
-        for (int j = 0; j < 8; j++) {
-            const int a = (2 * j) & 7;
-            const __m256i idx = _mm256_setr_epi32(a, a, a, a, a + 1, a + 1, a + 1, a + 1);
-            ks->q6_dd[j] = _mm256_permutevar8x32_ps(j < 4 ? lo : hi, idx);
-        }
+        /* the 16 scales as int16, pairs (2j, 2j + 1) in 32-bit lane j; lane j to every 32-bit lane, then
+         * the low half takes the pair's first int16 and the high half its second */
+        const __m256i all = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 192)));
+        const __m256i pick = _mm256_setr_epi32(0x01000100, 0x01000100, 0x01000100, 0x01000100, 0x03020302, 0x03020302,
+                                               0x03020302, 0x03020302);
+        for (int j = 0; j < 8; j++)
+            ks->sc[j] = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(all, _mm256_set1_epi32(j)), pick);
+        ks->mn = _mm256_setzero_ps();
+        ks->d = f16_at(p + 208);
+        ks->dmin = 0.0f;
         return;
     }
     /* the 12 bytes of six-bit scales and minimums (k_scale_min), four at a time */
@@ -43,22 +49,35 @@ NS_ALWAYS_INLINE void k_super_scales(int t, const uint8_t *p, KScales *ks) {
     sm[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);         /* scales 4..7 */
     sm[2] = u[1] & 0x3f3f3f3f;                                               /* minimums 0..3 */
     sm[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);  /* minimums 4..7 */
-    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sm)));
-    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 2))));
-    _mm256_storeu_ps(ks->sc, _mm256_mul_ps(_mm256_set1_ps(f16_at(p)), sc));
-    _mm256_storeu_ps(ks->mneg, _mm256_mul_ps(_mm256_set1_ps(-f16_at(p + 2)), mn));
+    const uint8_t *sc = (const uint8_t *)sm;
+    for (int j = 0; j < 8; j++) ks->sc[j] = _mm256_set1_epi16(sc[j]);
+    ks->mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 2))));
+    ks->d = f16_at(p);
+    ks->dmin = f16_at(p + 2);
 }
 
-/* The 8 lanes' scales of sub-block j (quant_blocks.h's Sub32 s0 / s1, the same values). */
-NS_ALWAYS_INLINE __m256 k_dd(int t, const KScales *ks, int j) {
-    return t == T_Q6_K ? ks->q6_dd[j] : _mm256_broadcast_ss(&ks->sc[j]);
+/* x's scale over super-block g of row i: dx * s (s is the same for the super-block's blocks). */
+static inline float k_x_scale(const QuantizedRows *xq, int64_t i, int64_t nb, int64_t g) {
+    return xq->dx[i] * (float)xq->s[(quantized_row_offset(i, nb) + g * K_GROUP_BLOCKS * TR) * 16];
 }
 
-/* One weight row against M <= STREAM_MAX_ROWS rows of x, each output in the tiled GEMM's order
- * (int8_gemm.c): per sub-block acc = fma(sums, dd, acc) and m_term = fma(x's block sum, minimum, m_term),
- * then out = dx * (acc's lanes summed) + m_term. */
+/* Sum over super-block g's sub-blocks of the minimum times x's sum of codes: integers below 2^24 whose
+ * products and sums are exact in float32, so any order gives the same value. */
+static inline float k_min_dot(__m256 mn, const QuantizedRows *xq, int64_t i, int64_t nb, int64_t g) {
+    return hsum256(_mm256_mul_ps(mn, _mm256_loadu_ps(xq->qsum + i * nb + g * 8)));
+}
+
+/* The per-super-block step of one output: acc += float(isum) * (d * xs), and for Q4_K / Q5_K
+ * m_term += -(dmin * xs) * (the minimums' dot with x's sums). */
+#define K_FOLD(t, acc, m_term, isum, d, dmin, xs, mdot)                                                      \
+    do {                                                                                                     \
+        (acc) = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps((d) * (xs)), (acc));               \
+        if (!TYPE_SIGNED(t)) (m_term) = NS_FMA(-((dmin) * (xs)), (mdot), (m_term));                          \
+    } while (0)
+
+/* One weight row against rows i0 .. i0 + M - 1 (M <= STREAM_MAX_ROWS) of x. */
 NS_ALWAYS_INLINE void k_stream_row(int t, const QuantizedRows *xq, const uint8_t *row, float *out, int64_t ldo,
-                                   int64_t M, int64_t nb) {
+                                   int64_t i0, int64_t M, int64_t nb) {
     const int64_t bytes = type_block_bytes(t);
     __m256 acc[STREAM_MAX_ROWS];
     float m_term[STREAM_MAX_ROWS];
@@ -69,33 +88,153 @@ NS_ALWAYS_INLINE void k_stream_row(int t, const QuantizedRows *xq, const uint8_t
     for (int64_t g = 0; g < nb / 8; g++) {
         const uint8_t *p = row + g * bytes;
         for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + STREAM_PREFETCH_BYTES + o, _MM_HINT_T0);
-        KScales ks;
-        k_super_scales(t, p, &ks);
+        KIntScales ks;
+        k_int_scales(t, p, &ks);
+        __m256i isum[STREAM_MAX_ROWS];
+        for (int64_t i = 0; i < M; i++) isum[i] = _mm256_setzero_si256();
         /* unrolled, so that each sub-block's shifts and offsets in k_codes are constants */
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) {
-            const int64_t b = 8 * g + j;
             const __m256i w = k_codes(t, p, j);
             const __m256i wa = TYPE_SIGNED(t) ? _mm256_abs_epi8(w) : w;
             for (int64_t i = 0; i < M; i++) {
-                const int64_t off = quantized_row_offset(i, nb) + b * TR;
+                const int64_t off = quantized_row_offset(i0 + i, nb) + (8 * g + j) * TR;
                 const __m256i xv = _mm256_load_si256((const __m256i *)(xq->q + off * 32));
-                const __m256i sv = _mm256_load_si256((const __m256i *)(xq->s + off * 16));
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_codes(t, w, wa, xv, sv)), k_dd(t, &ks, j), acc[i]);
-                if (!TYPE_SIGNED(t)) m_term[i] = NS_FMA(xq->sum[i * nb + b], ks.mneg[j], m_term[i]);
+                isum[i] = _mm256_add_epi32(isum[i], dot_codes(t, w, wa, xv, ks.sc[j]));
             }
         }
+        for (int64_t i = 0; i < M; i++) {
+            const float xs = k_x_scale(xq, i0 + i, nb, g);
+            const float mdot = TYPE_SIGNED(t) ? 0.0f : k_min_dot(ks.mn, xq, i0 + i, nb, g);
+            K_FOLD(t, acc[i], m_term[i], isum[i], ks.d, ks.dmin, xs, mdot);
+        }
     }
-    for (int64_t i = 0; i < M; i++) out[i * ldo] = finish(xq->dx[i], acc[i], m_term[i]);
+    for (int64_t i = 0; i < M; i++) out[i * ldo] = finish(1.0f, acc[i], m_term[i]);
 }
 
-/* Each weight row in parallel (quantized_rows.h's STREAM_ROWS_CASE). */
-void k_stream_i8(const QuantizedRows *xq, const BlockWeight *w, float *out, int64_t ldo, int64_t M) {
+#define TC 2   /* weight rows per tile */
+#define NGI 16 /* weight rows unpacked per group */
+
+/* A group's weight rows ready for the tiles: codes [row][block][32], vpmaddwd multipliers
+ * [row][block][16], and per [row][super-block] d, dmin and the eight minimums. */
+typedef struct {
+    uint8_t *codes;
+    int16_t *sc;
+    float *d, *dmin, *mn;
+} KGroup;
+
+NS_ALWAYS_INLINE void k_unpack_group(int t, const BlockWeight *w, int64_t n0, int64_t cols, int64_t nb, KGroup *u) {
+    const int64_t ng = nb / 8, bytes = type_block_bytes(t);
+    for (int64_t c = 0; c < cols; c++) {
+        const uint8_t *row = (const uint8_t *)w->data + (n0 + c) * w->row_bytes;
+        for (int64_t g = 0; g < ng; g++) {
+            const uint8_t *p = row + g * bytes;
+            KIntScales ks;
+            k_int_scales(t, p, &ks);
+            u->d[c * ng + g] = ks.d;
+            u->dmin[c * ng + g] = ks.dmin;
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                const int64_t b = c * nb + 8 * g + j;
+                _mm256_store_si256((__m256i *)(u->codes + b * 32), k_codes(t, p, j));
+                _mm256_store_si256((__m256i *)(u->sc + b * 16), ks.sc[j]);
+            }
+            _mm256_store_ps(u->mn + c * nb + 8 * g, ks.mn);
+        }
+    }
+}
+
+/* The tile of TR rows of x (panel at row i0 + r0) times `tc` weight rows from column j of the group. */
+#define K_TILE(tc)                                                                                          \
+    do {                                                                                                    \
+        __m256 acc[TR][tc];                                                                                 \
+        float m_term[TR][tc];                                                                               \
+        for (int r = 0; r < TR; r++)                                                                        \
+            for (int c = 0; c < tc; c++) {                                                                  \
+                acc[r][c] = _mm256_setzero_ps();                                                            \
+                m_term[r][c] = 0.0f;                                                                        \
+            }                                                                                               \
+        for (int64_t g = 0; g < ng; g++) {                                                                  \
+            __m256i isum[TR][tc];                                                                           \
+            for (int r = 0; r < TR; r++)                                                                    \
+                for (int c = 0; c < tc; c++) isum[r][c] = _mm256_setzero_si256();                           \
+            for (int64_t b = 8 * g; b < 8 * g + 8; b++) {                                                   \
+                __m256i wv[tc], wa[tc], sv[tc];                                                             \
+                for (int c = 0; c < tc; c++) {                                                              \
+                    wv[c] = _mm256_load_si256((const __m256i *)(u.codes + ((j + c) * nb + b) * 32));        \
+                    wa[c] = TYPE_SIGNED(t) ? _mm256_abs_epi8(wv[c]) : wv[c];                                \
+                    sv[c] = _mm256_load_si256((const __m256i *)(u.sc + ((j + c) * nb + b) * 16));           \
+                }                                                                                           \
+                for (int r = 0; r < TR; r++) {                                                              \
+                    const __m256i xv = _mm256_load_si256((const __m256i *)(qp + (b * TR + r) * 32));        \
+                    for (int c = 0; c < tc; c++)                                                            \
+                        isum[r][c] = _mm256_add_epi32(isum[r][c], dot_codes(t, wv[c], wa[c], xv, sv[c]));    \
+                }                                                                                           \
+            }                                                                                               \
+            for (int r = 0; r < TR; r++) {                                                                  \
+                const float xs = k_x_scale(xq, i0 + r0 + r, nb, g);                                         \
+                for (int c = 0; c < tc; c++) {                                                              \
+                    const float mdot = TYPE_SIGNED(t) ? 0.0f : k_min_dot(_mm256_load_ps(u.mn + (j + c) * nb + 8 * g), \
+                                                                         xq, i0 + r0 + r, nb, g);           \
+                    K_FOLD(t, acc[r][c], m_term[r][c], isum[r][c], u.d[(j + c) * ng + g],                   \
+                           u.dmin[(j + c) * ng + g], xs, mdot);                                             \
+                }                                                                                           \
+            }                                                                                               \
+        }                                                                                                   \
+        for (int64_t r = 0; r < rows; r++)                                                                  \
+            for (int c = 0; c < tc; c++)                                                                    \
+                out[(i0 + r0 + r) * ldo + n0 + j + c] = finish(1.0f, acc[r][c], m_term[r][c]);             \
+    } while (0)
+
+/* One group of weight rows (n0 .. n0 + cols - 1) against rows i0 .. i0 + M - 1 of x. */
+NS_ALWAYS_INLINE void k_gemm_group(int t, const QuantizedRows *xq, const BlockWeight *w, float *out, int64_t ldo,
+                                   int64_t i0, int64_t M, int64_t nb, int64_t n0, int64_t cols, KGroup u) {
+    const int64_t ng = nb / 8;
+    k_unpack_group(t, w, n0, cols, nb, &u);
+    for (int64_t r0 = 0; r0 < M; r0 += TR) {
+        const int8_t *qp = xq->q + ((i0 + r0) / TR) * nb * TR * 32;
+        const int64_t rows = M - r0 < TR ? M - r0 : TR;
+        int64_t j = 0;
+        for (; j + TC <= cols; j += TC) K_TILE(TC);
+        for (; j < cols; j++) K_TILE(1);
+    }
+}
+
+/* Each weight row (streaming) or group of NGI weight rows (GEMM) in parallel, the type a literal in
+ * each region (see quantized_rows.h's STREAM_ROWS_CASE). */
+void k_gemm_i8(const QuantizedRows *xq, const BlockWeight *w, float *out, int64_t ldo, int64_t i0, int64_t M) {
     const uint8_t *data = (const uint8_t *)w->data;
     const int64_t N = w->n, rb = w->row_bytes, nb = w->k / 32;
-    switch (w->type) {
-        STREAM_ROWS_CASE(T_Q4_K, k_stream_row) STREAM_ROWS_CASE(T_Q5_K, k_stream_row)
-        STREAM_ROWS_CASE(T_Q6_K, k_stream_row)
-    default: break;
+    if (M <= STREAM_MAX_ROWS) {
+        out += i0 * ldo;
+        switch (w->type) {
+#define ROW(T, xq, rowp, o, ldo, m, nb) k_stream_row(T, xq, rowp, o, ldo, i0, m, nb)
+            STREAM_ROWS_CASE(T_Q4_K, ROW) STREAM_ROWS_CASE(T_Q5_K, ROW) STREAM_ROWS_CASE(T_Q6_K, ROW)
+#undef ROW
+        default: break;
+        }
+        return;
+    }
+    const int64_t groups = (N + NGI - 1) / NGI;
+#pragma omp parallel
+    {
+        KGroup u = {aligned_alloc(32, (size_t)(NGI * nb * 32)), aligned_alloc(32, sizeof(int16_t) * (size_t)(NGI * nb * 16)),
+                    malloc(sizeof(float) * (size_t)(NGI * nb / 8)), malloc(sizeof(float) * (size_t)(NGI * nb / 8)),
+                    aligned_alloc(32, sizeof(float) * (size_t)(NGI * nb))};
+#pragma omp for schedule(dynamic, 2)
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t n0 = g * NGI, cols = N - n0 < NGI ? N - n0 : NGI;
+            switch (w->type) {
+            case T_Q4_K: k_gemm_group(T_Q4_K, xq, w, out, ldo, i0, M, nb, n0, cols, u); break;
+            case T_Q5_K: k_gemm_group(T_Q5_K, xq, w, out, ldo, i0, M, nb, n0, cols, u); break;
+            case T_Q6_K: k_gemm_group(T_Q6_K, xq, w, out, ldo, i0, M, nb, n0, cols, u); break;
+            default: break;
+            }
+        }
+        free(u.codes);
+        free(u.sc);
+        free(u.d);
+        free(u.dmin);
+        free(u.mn);
     }
 }

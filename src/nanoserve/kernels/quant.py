@@ -23,6 +23,7 @@ BLOCK_TYPES = tuple(t for t in GGML_TYPES if t not in FLOAT_TYPES)
 QUANTIZATIONS = ("q8_0", "q6_k", "q5_k", "q5_1", "q5_0", "q4_k", "q4_1", "q4_0")
 # A K type needs rows of a multiple of 256 weights; other rows take the type llama-quantize gives them.
 K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+K_TYPES = tuple(K_FALLBACK)  # super-blocks of 256
 
 
 def quantized_type(qtype: str, k: int) -> Optional[str]:
@@ -205,14 +206,17 @@ def random_blocks(qtype: str, rows: int, k: int, seed: int = 0) -> QuantWeight:
     return QuantWeight(qtype, torch.from_numpy(data.reshape(rows, -1)), k)
 
 
-def quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """x (M, K) as the int8 products see it, back in float32: per block of 32, q = round(x / (s * dx))
-    in -127..127, with dx the row's largest |x| / (127 * 32767) and s the block's integer scale in
-    1..32767 (kernels/int8_gemm.c). The product of this with the dequantized weight is the reference
-    for `--activation-dtype int8`."""
+def quantize_activations(x: torch.Tensor, qtype: str = "Q8_0") -> torch.Tensor:
+    """x (M, K) as the int8 products with weights of `qtype` see it, back in float32: per block of 32,
+    q = round(x / (s * dx)) in -127..127, with dx the row's largest |x| / (127 * 32767) and s an integer
+    scale in 1..32767, one per block, or for the K types one per super-block of 256 (kernels/int8_gemm.c
+    and k_quant_i8.c). The product of this with the dequantized weight is the reference for
+    `--activation-dtype int8`."""
     rows, width = x.shape
     blocks = x.float().reshape(rows, width // 32, 32)
     amax = blocks.abs().amax(-1)  # (M, nb)
+    if qtype in K_TYPES:
+        amax = amax.reshape(rows, -1, 8).amax(-1, keepdim=True).expand(-1, -1, 8).reshape(rows, -1)
     # An all-zero row keeps q = 0 (the tiny floor only avoids 0 / 0).
     dx = (amax.amax(-1, keepdim=True) / (127.0 * 32767.0)).clamp(min=torch.finfo(torch.float32).tiny)
     s = torch.ceil(amax / (127.0 * dx)).clamp(1, 32767)

@@ -15,13 +15,17 @@
 /* Block b of row i is x ~= dx[i] * s * q with q in -127..127 and s an integer in 1..32767, so a block's
  * scale is nearly as fine as a float's while the product's per-block factor is one integer multiply
  * (vpmaddwd by s, which also widens to 32 bits). Rows in panels of TR: q as [panel][block][row][32], s
- * as [panel][block][row][16] (one vector), and per [row][block] the block's sum of q times s (ssum) and
- * that times dx (sum), for the weights' minimum terms. Rows past M are zero. */
+ * as [panel][block][row][16] (one vector), and per [row][block] the block's sum of q times s (ssum),
+ * that times dx (sum), for the weights' minimum terms, and the sum of q alone (qsum). Rows past M are
+ * zero. For the K types s is one per super-block of K_GROUP_BLOCKS blocks (llama.cpp's Q8_K: one scale
+ * per 256 values), so that their products add integers over a whole super-block (k_quant_i8.c). */
 typedef struct {
     int8_t *q;
     int16_t *s;
-    float *dx, *sum, *ssum;
+    float *dx, *sum, *ssum, *qsum;
 } QuantizedRows;
+
+#define K_GROUP_BLOCKS 8
 
 /* Offset, in blocks of 32, of row i's block 0 in q (x32 bytes) and s (x16 int16); block b is b * TR further. */
 static inline int64_t quantized_row_offset(int64_t i, int64_t nb) {
@@ -75,7 +79,8 @@ static inline float finish(float dx, __m256 acc, float m_term) {
         }                                                                                                    \
         break;
 
-/* out = x W^T for M <= STREAM_MAX_ROWS rows of x (quantized in xq) and W of a K type: k_quant_i8.c. */
-void k_stream_i8(const QuantizedRows *xq, const BlockWeight *w, float *out, int64_t ldo, int64_t M);
+/* out = x W^T for W of a K type, x quantized in xq with one s per super-block (k_quant_i8.c): rows i0 ..
+ * i0 + M - 1 (i0 a multiple of TR), streaming the weights up to STREAM_MAX_ROWS rows, else the tiled GEMM. */
+void k_gemm_i8(const QuantizedRows *xq, const BlockWeight *w, float *out, int64_t ldo, int64_t i0, int64_t M);
 
 #endif

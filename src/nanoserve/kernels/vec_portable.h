@@ -203,6 +203,7 @@ NS_INLINE float _mm_cvtss_f32(__m128 a) { return a.f[0]; }
 /* ---------------------------------------------------------------- 256-bit integers */
 NS_INLINE __m256i _mm256_setzero_si256(void) { __m256i r; memset(&r, 0, 32); return r; }
 NS_INLINE __m256i _mm256_set1_epi32(int32_t v) { __m256i r; NS_LANES(8) r.i[l] = v; return r; }
+NS_INLINE __m256i _mm256_set1_epi16(int16_t v) { __m256i r; NS_LANES(16) r.h[l] = v; return r; }
 NS_INLINE __m256i _mm256_set1_epi8(int8_t v) { __m256i r; NS_LANES(32) r.b[l] = v; return r; }
 NS_INLINE __m256i _mm256_setr_epi32(int32_t e0, int32_t e1, int32_t e2, int32_t e3, int32_t e4, int32_t e5,
                                     int32_t e6, int32_t e7) {
@@ -273,12 +274,14 @@ NS_INLINE __m128i _mm256_castsi256_si128(__m256i a) { __m128i r; memcpy(&r, a.b,
 NS_INLINE __m128i _mm256_extracti128_si256(__m256i a, int imm) { __m128i r; memcpy(&r, a.b + 16 * (imm & 1), 16); return r; }
 NS_INLINE __m256i _mm256_cvtepu8_epi32(__m128i a) { __m256i r; NS_LANES(8) r.i[l] = a.ub[l]; return r; }
 NS_INLINE __m256i _mm256_cvtepi8_epi32(__m128i a) { __m256i r; NS_LANES(8) r.i[l] = a.b[l]; return r; }
+NS_INLINE __m256i _mm256_cvtepi8_epi16(__m128i a) { __m256i r; NS_LANES(16) r.h[l] = a.b[l]; return r; }
 
 /* ---------------------------------------------------------------- 128-bit integers */
 NS_INLINE __m128i _mm_loadu_si128(const __m128i *p) { __m128i r; memcpy(&r, p, 16); return r; }
 NS_INLINE void _mm_storeu_si128(__m128i *p, __m128i a) { memcpy(p, &a, 16); }
 NS_INLINE __m128i _mm_loadl_epi64(const __m128i *p) { __m128i r; memset(&r, 0, 16); memcpy(&r, p, 8); return r; }
 NS_INLINE __m128i _mm_set1_epi8(int8_t v) { __m128i r; NS_LANES(16) r.b[l] = v; return r; }
+NS_INLINE __m128i _mm_set1_epi16(int16_t v) { __m128i r; NS_LANES(8) r.h[l] = v; return r; }
 NS_INLINE __m128i _mm_and_si128(__m128i a, __m128i b) { NS_LANES(16) a.ub[l] &= b.ub[l]; return a; }
 NS_INLINE __m128i _mm_add_epi32(__m128i a, __m128i b) {
     NS_LANES(4) a.i[l] = (int32_t)((uint32_t)a.i[l] + (uint32_t)b.i[l]);
