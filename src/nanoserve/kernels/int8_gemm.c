@@ -26,6 +26,13 @@ static inline float hmax8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+static inline int32_t hsum_epi32(__m256i t) {
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+    return _mm_cvtsi128_si32(h);
+}
+
 /* x (M, K) into xq (quantized_rows.h): each row's scale dx from its largest |x|, then per group of
  * `group` blocks (1, or K_GROUP_BLOCKS for the K types) the smallest integer scale s that keeps
  * |q| <= 127. */
@@ -63,7 +70,7 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int6
             if (i >= M || rmax == 0.0f) {
                 memset(q, 0, 32);
                 o->sum[i * nb + b] = o->ssum[i * nb + b] = 0.0f;
-                o->qsum[i * nb + b] = 0.0f;
+                o->qsum16[(i * nb + b) * 2] = o->qsum16[(i * nb + b) * 2 + 1] = 0.0f;
                 continue;
             }
             const __m256 inv = _mm256_set1_ps(1.0f / ((float)s * dx));
@@ -74,12 +81,10 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int6
             _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(packed, order));
             /* The minimum term takes the quantized block's sum: the result is then exactly the product
              * with the quantized x, and its error does not grow with the blocks' offsets m. */
-            __m256i t = _mm256_add_epi32(_mm256_add_epi32(w[0], w[1]), _mm256_add_epi32(w[2], w[3]));
-            __m128i h = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
-            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
-            o->qsum[i * nb + b] = (float)_mm_cvtsi128_si32(h);
-            o->ssum[i * nb + b] = (float)_mm_cvtsi128_si32(h) * (float)s;
+            const int32_t lo = hsum_epi32(_mm256_add_epi32(w[0], w[1])), hi = hsum_epi32(_mm256_add_epi32(w[2], w[3]));
+            o->qsum16[(i * nb + b) * 2] = (float)lo;
+            o->qsum16[(i * nb + b) * 2 + 1] = (float)hi;
+            o->ssum[i * nb + b] = (float)(lo + hi) * (float)s;
             o->sum[i * nb + b] = o->ssum[i * nb + b] * dx;
         }
     }
@@ -253,7 +258,7 @@ void weight_gemm_i8(const float *x, const BlockWeight *w, float *out, int64_t M,
     const int64_t K = w->k, nb = K / 32, Mp = (M + TR - 1) / TR * TR;
     QuantizedRows xq = {aligned_alloc(32, (size_t)(Mp * K)), aligned_alloc(32, sizeof(int16_t) * (size_t)(Mp * nb * 16)),
                         malloc(sizeof(float) * (size_t)Mp), malloc(sizeof(float) * (size_t)(Mp * nb)),
-                        malloc(sizeof(float) * (size_t)(Mp * nb)), malloc(sizeof(float) * (size_t)(Mp * nb))};
+                        malloc(sizeof(float) * (size_t)(Mp * nb)), malloc(sizeof(float) * (size_t)(Mp * nb * 2))};
     const int k_type = TYPE_IS_K(w->type);
     quantize_rows(x, M, Mp, K, k_type ? K_GROUP_BLOCKS : 1, &xq);
     if (k_type && M <= STREAM_MAX_ROWS) k_gemm_i8(&xq, w, out, ldo, 0, M);
@@ -269,5 +274,5 @@ void weight_gemm_i8(const float *x, const BlockWeight *w, float *out, int64_t M,
     free(xq.dx);
     free(xq.sum);
     free(xq.ssum);
-    free(xq.qsum);
+    free(xq.qsum16);
 }

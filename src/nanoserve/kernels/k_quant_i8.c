@@ -16,30 +16,33 @@
 #include "quantized_rows.h"
 #include "vec_math.h"
 
-/* One super-block's scales as its integer products need them: per sub-block j the 16 int16 multipliers
- * of vpmaddwd (Q4_K / Q5_K: its six-bit scale in every lane; Q6_K: the scale of weights 0..15 in
- * lanes 0-7 and of 16..31 in 8-15, the layout of vpmaddubsw's pair sums), the eight six-bit minimums
- * as floats (Q4_K / Q5_K), and the float factors d and dmin. No sum can overflow: a sub-block's int32
- * lane is at most 4 * 32 * 127 * 128 (Q6_K), a super-block's eight times that (< 2^24, so even its
- * float is exact). */
+/* One super-block's scales as its integer products need them. Every type's codes are unsigned (Q6_K's
+ * stored 0..63, its offset of 32 taken as a minimum), so each sub-block is one vpmaddubsw and one
+ * vpmaddwd by its multipliers sc[j]: 16 int16, Q4_K / Q5_K's six-bit scale in every lane, Q6_K the
+ * scale of weights 0..15 in lanes 0-7 and of 16..31 in 8-15 (the layout of vpmaddubsw's pair sums).
+ * mn: the minimum of each 16 weights, as 16 floats (Q4_K / Q5_K: the sub-block's minimum twice; Q6_K:
+ * its scales, with dmin = 32 d). No sum overflows: a sub-block's int32 lane is at most
+ * 4 * 63 * 127 * 128 (Q6_K), a super-block's eight times that. */
 typedef struct {
     __m256i sc[8];
-    __m256 mn;
+    __m256 mn[2];
     float d, dmin;
 } KIntScales;
 
 NS_ALWAYS_INLINE void k_int_scales(int t, const uint8_t *p, KIntScales *ks) {
     if (t == T_Q6_K) {
+        const __m128i sc = _mm_loadu_si128((const __m128i *)(p + 192));
         /* the 16 scales as int16, pairs (2j, 2j + 1) in 32-bit lane j; lane j to every 32-bit lane, then
          * the low half takes the pair's first int16 and the high half its second */
-        const __m256i all = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 192)));
+        const __m256i all = _mm256_cvtepi8_epi16(sc);
         const __m256i pick = _mm256_setr_epi32(0x01000100, 0x01000100, 0x01000100, 0x01000100, 0x03020302, 0x03020302,
                                                0x03020302, 0x03020302);
         for (int j = 0; j < 8; j++)
             ks->sc[j] = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(all, _mm256_set1_epi32(j)), pick);
-        ks->mn = _mm256_setzero_ps();
+        ks->mn[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc));
+        ks->mn[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)));
         ks->d = f16_at(p + 208);
-        ks->dmin = 0.0f;
+        ks->dmin = 32.0f * ks->d;
         return;
     }
     /* the 12 bytes of six-bit scales and minimums (k_scale_min), four at a time */
@@ -51,9 +54,21 @@ NS_ALWAYS_INLINE void k_int_scales(int t, const uint8_t *p, KIntScales *ks) {
     sm[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);  /* minimums 4..7 */
     const uint8_t *sc = (const uint8_t *)sm;
     for (int j = 0; j < 8; j++) ks->sc[j] = _mm256_set1_epi16(sc[j]);
-    ks->mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 2))));
+    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 2))));
+    ks->mn[0] = _mm256_permutevar8x32_ps(mn, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+    ks->mn[1] = _mm256_permutevar8x32_ps(mn, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
     ks->d = f16_at(p);
     ks->dmin = f16_at(p + 2);
+}
+
+/* The codes of sub-block j, unsigned (see KIntScales), and their integer products with x's codes times
+ * the sub-block's multipliers. */
+NS_ALWAYS_INLINE __m256i k_unsigned_codes(int t, const uint8_t *p, int j) {
+    return t == T_Q6_K ? q6_k_unsigned_codes(p, j) : k_codes(t, p, j);
+}
+
+NS_ALWAYS_INLINE __m256i k_dot(__m256i w, __m256i xv, __m256i sc) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), sc);
 }
 
 /* x's scale over super-block g of row i: dx * s (s is the same for the super-block's blocks). */
@@ -63,16 +78,17 @@ static inline float k_x_scale(const QuantizedRows *xq, int64_t i, int64_t nb, in
 
 /* Sum over super-block g's sub-blocks of the minimum times x's sum of codes: integers below 2^24 whose
  * products and sums are exact in float32, so any order gives the same value. */
-static inline float k_min_dot(__m256 mn, const QuantizedRows *xq, int64_t i, int64_t nb, int64_t g) {
-    return hsum256(_mm256_mul_ps(mn, _mm256_loadu_ps(xq->qsum + i * nb + g * 8)));
+static inline float k_min_dot(const __m256 *mn, const QuantizedRows *xq, int64_t i, int64_t nb, int64_t g) {
+    const float *qs = xq->qsum16 + (i * nb + g * 8) * 2;
+    return hsum256(_mm256_add_ps(_mm256_mul_ps(mn[0], _mm256_loadu_ps(qs)), _mm256_mul_ps(mn[1], _mm256_loadu_ps(qs + 8))));
 }
 
-/* The per-super-block step of one output: acc += float(isum) * (d * xs), and for Q4_K / Q5_K
+/* The per-super-block step of one output: acc += float(isum) * (d * xs) and
  * m_term += -(dmin * xs) * (the minimums' dot with x's sums). */
-#define K_FOLD(t, acc, m_term, isum, d, dmin, xs, mdot)                                                      \
+#define K_FOLD(acc, m_term, isum, d, dmin, xs, mdot)                                                         \
     do {                                                                                                     \
         (acc) = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps((d) * (xs)), (acc));               \
-        if (!TYPE_SIGNED(t)) (m_term) = NS_FMA(-((dmin) * (xs)), (mdot), (m_term));                          \
+        (m_term) = NS_FMA(-((dmin) * (xs)), (mdot), (m_term));                                               \
     } while (0)
 
 /* One weight row against rows i0 .. i0 + M - 1 (M <= STREAM_MAX_ROWS) of x. */
@@ -95,18 +111,16 @@ NS_ALWAYS_INLINE void k_stream_row(int t, const QuantizedRows *xq, const uint8_t
         /* unrolled, so that each sub-block's shifts and offsets in k_codes are constants */
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) {
-            const __m256i w = k_codes(t, p, j);
-            const __m256i wa = TYPE_SIGNED(t) ? _mm256_abs_epi8(w) : w;
+            const __m256i w = k_unsigned_codes(t, p, j);
             for (int64_t i = 0; i < M; i++) {
                 const int64_t off = quantized_row_offset(i0 + i, nb) + (8 * g + j) * TR;
                 const __m256i xv = _mm256_load_si256((const __m256i *)(xq->q + off * 32));
-                isum[i] = _mm256_add_epi32(isum[i], dot_codes(t, w, wa, xv, ks.sc[j]));
+                isum[i] = _mm256_add_epi32(isum[i], k_dot(w, xv, ks.sc[j]));
             }
         }
         for (int64_t i = 0; i < M; i++) {
             const float xs = k_x_scale(xq, i0 + i, nb, g);
-            const float mdot = TYPE_SIGNED(t) ? 0.0f : k_min_dot(ks.mn, xq, i0 + i, nb, g);
-            K_FOLD(t, acc[i], m_term[i], isum[i], ks.d, ks.dmin, xs, mdot);
+            K_FOLD(acc[i], m_term[i], isum[i], ks.d, ks.dmin, xs, k_min_dot(ks.mn, xq, i0 + i, nb, g));
         }
     }
     for (int64_t i = 0; i < M; i++) out[i * ldo] = finish(1.0f, acc[i], m_term[i]);
@@ -115,8 +129,8 @@ NS_ALWAYS_INLINE void k_stream_row(int t, const QuantizedRows *xq, const uint8_t
 #define TC 2   /* weight rows per tile */
 #define NGI 16 /* weight rows unpacked per group */
 
-/* A group's weight rows ready for the tiles: codes [row][block][32], vpmaddwd multipliers
- * [row][block][16], and per [row][super-block] d, dmin and the eight minimums. */
+/* A group's weight rows ready for the tiles: unsigned codes [row][block][32], vpmaddwd multipliers
+ * [row][block][16], and per [row][super-block] d, dmin and the 16 minimums (KIntScales). */
 typedef struct {
     uint8_t *codes;
     int16_t *sc;
@@ -136,10 +150,11 @@ NS_ALWAYS_INLINE void k_unpack_group(int t, const BlockWeight *w, int64_t n0, in
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {
                 const int64_t b = c * nb + 8 * g + j;
-                _mm256_store_si256((__m256i *)(u->codes + b * 32), k_codes(t, p, j));
+                _mm256_store_si256((__m256i *)(u->codes + b * 32), k_unsigned_codes(t, p, j));
                 _mm256_store_si256((__m256i *)(u->sc + b * 16), ks.sc[j]);
             }
-            _mm256_store_ps(u->mn + c * nb + 8 * g, ks.mn);
+            _mm256_store_ps(u->mn + (c * ng + g) * 16, ks.mn[0]);
+            _mm256_store_ps(u->mn + (c * ng + g) * 16 + 8, ks.mn[1]);
         }
     }
 }
@@ -159,25 +174,23 @@ NS_ALWAYS_INLINE void k_unpack_group(int t, const BlockWeight *w, int64_t n0, in
             for (int r = 0; r < TR; r++)                                                                    \
                 for (int c = 0; c < tc; c++) isum[r][c] = _mm256_setzero_si256();                           \
             for (int64_t b = 8 * g; b < 8 * g + 8; b++) {                                                   \
-                __m256i wv[tc], wa[tc], sv[tc];                                                             \
+                __m256i wv[tc], sv[tc];                                                                     \
                 for (int c = 0; c < tc; c++) {                                                              \
                     wv[c] = _mm256_load_si256((const __m256i *)(u.codes + ((j + c) * nb + b) * 32));        \
-                    wa[c] = TYPE_SIGNED(t) ? _mm256_abs_epi8(wv[c]) : wv[c];                                \
                     sv[c] = _mm256_load_si256((const __m256i *)(u.sc + ((j + c) * nb + b) * 16));           \
                 }                                                                                           \
                 for (int r = 0; r < TR; r++) {                                                              \
                     const __m256i xv = _mm256_load_si256((const __m256i *)(qp + (b * TR + r) * 32));        \
-                    for (int c = 0; c < tc; c++)                                                            \
-                        isum[r][c] = _mm256_add_epi32(isum[r][c], dot_codes(t, wv[c], wa[c], xv, sv[c]));    \
+                    for (int c = 0; c < tc; c++) isum[r][c] = _mm256_add_epi32(isum[r][c], k_dot(wv[c], xv, sv[c])); \
                 }                                                                                           \
             }                                                                                               \
             for (int r = 0; r < TR; r++) {                                                                  \
                 const float xs = k_x_scale(xq, i0 + r0 + r, nb, g);                                         \
                 for (int c = 0; c < tc; c++) {                                                              \
-                    const float mdot = TYPE_SIGNED(t) ? 0.0f : k_min_dot(_mm256_load_ps(u.mn + (j + c) * nb + 8 * g), \
-                                                                         xq, i0 + r0 + r, nb, g);           \
-                    K_FOLD(t, acc[r][c], m_term[r][c], isum[r][c], u.d[(j + c) * ng + g],                   \
-                           u.dmin[(j + c) * ng + g], xs, mdot);                                             \
+                    const float *mp = u.mn + ((j + c) * ng + g) * 16;                                       \
+                    const __m256 mn[2] = {_mm256_load_ps(mp), _mm256_load_ps(mp + 8)};                      \
+                    K_FOLD(acc[r][c], m_term[r][c], isum[r][c], u.d[(j + c) * ng + g], u.dmin[(j + c) * ng + g], \
+                           xs, k_min_dot(mn, xq, i0 + r0 + r, nb, g));                                      \
                 }                                                                                           \
             }                                                                                               \
         }                                                                                                   \
@@ -220,7 +233,7 @@ void k_gemm_i8(const QuantizedRows *xq, const BlockWeight *w, float *out, int64_
     {
         KGroup u = {aligned_alloc(32, (size_t)(NGI * nb * 32)), aligned_alloc(32, sizeof(int16_t) * (size_t)(NGI * nb * 16)),
                     malloc(sizeof(float) * (size_t)(NGI * nb / 8)), malloc(sizeof(float) * (size_t)(NGI * nb / 8)),
-                    aligned_alloc(32, sizeof(float) * (size_t)(NGI * nb))};
+                    aligned_alloc(32, sizeof(float) * (size_t)(NGI * nb * 2))};
 #pragma omp for schedule(dynamic, 2)
         for (int64_t g = 0; g < groups; g++) {
             const int64_t n0 = g * NGI, cols = N - n0 < NGI ? N - n0 : NGI;

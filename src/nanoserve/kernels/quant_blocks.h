@@ -102,20 +102,23 @@ static inline void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
     }
 }
 
+/* Q6_K's stored codes of sub-block j (0..7), unsigned 0..63: the weights are d * scale * (code - 32). */
+NS_ALWAYS_INLINE __m256i q6_k_unsigned_codes(const uint8_t *p, int j) {
+    const int h = j >> 2, part = j & 3;
+    __m256i ql = _mm256_loadu_si256((const __m256i *)(p + h * 64 + (part & 1) * 32));
+    ql = _mm256_and_si256(part >> 1 ? _mm256_srli_epi16(ql, 4) : ql, _mm256_set1_epi8(0x0F));
+    __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + h * 32));
+    qh = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * part), _mm256_set1_epi8(3));
+    /* (qh << 4) without a byte shift: qh is 0..3, so qh * 16 = qh shifted within its byte */
+    qh = _mm256_and_si256(_mm256_slli_epi32(qh, 4), _mm256_set1_epi8(0x30));
+    return _mm256_or_si256(ql, qh);
+}
+
 /* The 32 codes of sub-block j (0..7: weights 32 j .. 32 j + 31) of the K-type super-block at p: unsigned
  * 0..31 (Q4_K: 0..15) for Q4_K / Q5_K, signed -32..31 for Q6_K. */
 NS_ALWAYS_INLINE __m256i k_codes(int t, const uint8_t *p, int j) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
-    if (t == T_Q6_K) {
-        const int h = j >> 2, part = j & 3;
-        __m256i ql = _mm256_loadu_si256((const __m256i *)(p + h * 64 + (part & 1) * 32));
-        ql = _mm256_and_si256(part >> 1 ? _mm256_srli_epi16(ql, 4) : ql, low4);
-        __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + h * 32));
-        qh = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * part), _mm256_set1_epi8(3));
-        /* (qh << 4) without a byte shift: qh is 0..3, so qh * 16 = qh shifted within its byte */
-        qh = _mm256_and_si256(_mm256_slli_epi32(qh, 4), _mm256_set1_epi8(0x30));
-        return _mm256_sub_epi8(_mm256_or_si256(ql, qh), _mm256_set1_epi8(32));
-    }
+    if (t == T_Q6_K) return _mm256_sub_epi8(q6_k_unsigned_codes(p, j), _mm256_set1_epi8(32));
     __m256i q = _mm256_loadu_si256((const __m256i *)(p + (t == T_Q4_K ? 16 : 48) + (j >> 1) * 32));
     q = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(q, 4) : q, low4);
     if (t == T_Q5_K) {

@@ -15,14 +15,15 @@
 /* Block b of row i is x ~= dx[i] * s * q with q in -127..127 and s an integer in 1..32767, so a block's
  * scale is nearly as fine as a float's while the product's per-block factor is one integer multiply
  * (vpmaddwd by s, which also widens to 32 bits). Rows in panels of TR: q as [panel][block][row][32], s
- * as [panel][block][row][16] (one vector), and per [row][block] the block's sum of q times s (ssum),
- * that times dx (sum), for the weights' minimum terms, and the sum of q alone (qsum). Rows past M are
- * zero. For the K types s is one per super-block of K_GROUP_BLOCKS blocks (llama.cpp's Q8_K: one scale
- * per 256 values), so that their products add integers over a whole super-block (k_quant_i8.c). */
+ * as [panel][block][row][16] (one vector), and per [row][block] the block's sum of q times s (ssum) and
+ * that times dx (sum), for the weights' minimum terms; per [row][half-block] the sum of q alone over
+ * each 16 values (qsum16, for the K types' minimum and offset terms). Rows past M are zero. For the K
+ * types s is one per super-block of K_GROUP_BLOCKS blocks (llama.cpp's Q8_K: one scale per 256
+ * values), so that their products add integers over a whole super-block (k_quant_i8.c). */
 typedef struct {
     int8_t *q;
     int16_t *s;
-    float *dx, *sum, *ssum, *qsum;
+    float *dx, *sum, *ssum, *qsum16;
 } QuantizedRows;
 
 #define K_GROUP_BLOCKS 8
