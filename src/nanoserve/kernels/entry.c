@@ -33,14 +33,18 @@ void decode_attention_f32(const float *q, const void *k_cache, const void *v_cac
 void sample_rows(const SampleArgs *a);
 
 /* Up to this many rows a float32 product streams the weights once (bound by memory); beyond, the
- * dequantizing GEMM (measured: as fast at 5 rows, faster from 6). The only copy of this threshold. */
+ * dequantizing GEMM. Block types: measured as fast at 5 rows, faster from 6. Float types (F16, BF16,
+ * F32), since the streaming kernel prefetches: 6 rows 12.5-15.1 ms streaming vs 23.8-26.6 GEMM, 8 rows
+ * 19.9-23.5 vs 24.7-27.4, 12 rows equal (2026-12-03, AMD EPYC, 268 MB of F16/BF16). The only copies of
+ * these thresholds. */
 #define BLOCKS_MAX_ROWS 5
+#define FLOAT_MAX_ROWS 8
 
 static void linear(const float *x, const BlockWeight *w, float *out, int64_t rows, int64_t int8_x) {
     for (const BlockWeight *p = w; p; p = (const BlockWeight *)p->next) {
         float *o = out + p->out_col;
         if (int8_x && !TYPE_IS_FLOAT(p->type)) weight_gemm_i8(x, p, o, rows, p->out_stride);
-        else if (rows > BLOCKS_MAX_ROWS) weight_gemm_f32(x, p, o, rows, p->out_stride);
+        else if (rows > (TYPE_IS_FLOAT(p->type) ? FLOAT_MAX_ROWS : BLOCKS_MAX_ROWS)) weight_gemm_f32(x, p, o, rows, p->out_stride);
         else weight_stream_f32(x, p, o, rows, p->out_stride);
     }
 }
