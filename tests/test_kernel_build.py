@@ -131,6 +131,18 @@ def test_cli_fails_at_start_for_options_that_cannot_run(broken_compiler, tiny_mo
         assert message in out.stderr and "Traceback" not in out.stderr
 
 
+def test_kv_cache_memory_below_one_block_fails_at_start(tiny_models):
+    """A budget that holds no block (0.25 given as if in GiB to the Python API, which takes bytes) fails
+    at start, naming the option, instead of running with a one-block pool."""
+    from nanoserve.config import EngineConfig
+    from nanoserve.engine.core import EngineCore
+
+    with pytest.raises(ValueError, match="--kv-cache-memory holds no KV block: 0 bytes"):
+        EngineCore(EngineConfig.from_kwargs(tiny_models["llama"], kernels="torch", kv_cache_memory=0))
+    core = EngineCore(EngineConfig.from_kwargs(tiny_models["llama"], kernels="torch", kv_cache_memory=1 << 20))
+    assert core.capacity_tokens > 0
+
+
 def test_int8_activations_without_block_weights_fail_at_start(tiny_models):
     from nanoserve.config import EngineConfig
     from nanoserve.engine.core import EngineCore

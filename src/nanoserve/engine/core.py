@@ -77,7 +77,11 @@ class EngineCore:
         # The KV pool: --num-kv-blocks, else the smaller of --kv-cache-memory and what max_num_seqs
         # requests of max_model_len tokens can fill.
         usable = -(-sched_cfg.max_num_seqs * self.max_model_len // cache.block_size)
-        num_blocks = cache.num_kv_blocks or max(1, min(cache.kv_cache_memory // per_block, usable))
+        if not cache.num_kv_blocks and cache.kv_cache_memory < per_block:
+            raise ValueError(f"--kv-cache-memory holds no KV block: {cache.kv_cache_memory} bytes, where one block of "
+                             f"{cache.block_size} tokens takes {per_block} (the CLI's value is in GiB, the Python "
+                             f"API's kv_cache_memory in bytes)")
+        num_blocks = cache.num_kv_blocks or min(cache.kv_cache_memory // per_block, usable)
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched_cfg, self.block_manager)
         int8 = use_int8_activations(config.activation_dtype, model)
