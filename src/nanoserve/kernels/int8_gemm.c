@@ -261,9 +261,8 @@ void weight_gemm_i8(const float *x, const BlockWeight *w, float *out, int64_t M,
                         malloc(sizeof(float) * (size_t)(Mp * nb)), malloc(sizeof(float) * (size_t)(Mp * nb * 2))};
     const int k_type = TYPE_IS_K(w->type);
     quantize_rows(x, M, Mp, K, k_type ? K_GROUP_BLOCKS : 1, &xq);
-    if (k_type && M <= STREAM_MAX_ROWS) k_gemm_i8(&xq, w, out, ldo, 0, M);
-    else if (M <= STREAM_MAX_ROWS) stream_rows(&xq, w, out, ldo, M, nb);
-    else
+    if (!k_type && M <= STREAM_MAX_ROWS) stream_rows(&xq, w, out, ldo, M, nb);
+    else /* k_gemm_i8 streams a chunk of up to STREAM_MAX_ROWS rows itself */
         for (int64_t i0 = 0; i0 < M; i0 += CHUNK_ROWS) {
             const int64_t rows = M - i0 < CHUNK_ROWS ? M - i0 : CHUNK_ROWS;
             if (k_type) k_gemm_i8(&xq, w, out, ldo, i0, rows);
