@@ -2,7 +2,9 @@
  * llama.cpp runs its quantized models: integer dot products (vpmaddubsw, vpmaddwd) of the weights' codes
  * with x's replace dequantization and float multiplies. Lossy: each product carries ~0.5% relative error.
  * Each output is computed by the same operations in the same order whatever the number of rows and
- * whichever kernel (streaming or GEMM) runs, so a row's result does not depend on its batch. */
+ * whichever kernel (streaming or GEMM) runs, so a row's result does not depend on its batch: per block b
+ * the exact integer T_b = codes . q, then S_j = the fused multiply-adds T_b * (d_b * s_b) over the blocks
+ * b = j mod 8 in order, the eight S_j summed as hsum256 sums lanes, times dx, plus the minimum term. */
 /* No fused a * b + c or reordered sums that one kernel would get and the other not (the build allows both). */
 #pragma GCC optimize("fp-contract=off", "no-associative-math")
 #include "simd.h"
@@ -16,8 +18,12 @@
 #include "quantized_rows.h"
 #include "vec_math.h"
 
-#define TC 2   /* weight rows per tile */
-#define NGI 24 /* weight rows unpacked per group: a multiple of TC and of 8 */
+#define SUB 8  /* weight rows side by side in the GEMM's vectors, one per lane */
+#define NGI 24 /* weight rows unpacked per group: a multiple of SUB */
+
+/* Steps (4 weights of each row) whose vpmaddubsw pair sums one int16 lane holds before it is widened to
+ * int32: 8 steps of 4-bit codes (16 products, 16 * 15 * 127 < 32767), 4 of 5-bit codes, 1 of 8-bit codes. */
+#define WIDEN_STEPS(t) ((t) == T_Q4_0 || (t) == T_Q4_1 ? 8 : (t) == T_Q5_0 || (t) == T_Q5_1 ? 4 : 1)
 
 static inline float hmax8(__m256 v) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -37,7 +43,7 @@ static inline int32_t hsum_epi32(__m256i t) {
  * `group` blocks (1, or K_GROUP_BLOCKS for the K types) the smallest integer scale s that keeps
  * |q| <= 127. */
 static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int64_t group, QuantizedRows *o) {
-    const int64_t nb = K / 32;
+    const int64_t nb = K / 32, nbx = xs_blocks(nb);
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     float *amax = malloc(sizeof(float) * (size_t)nb);
@@ -58,6 +64,7 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int6
         }
         const float dx = rmax / (127.0f * 32767.0f);
         o->dx[i] = dx;
+        for (int64_t b = nb; b < nbx; b++) o->sx[i * nbx + b] = 0.0f;
         for (int64_t b = 0; b < nb; b++) {
             int8_t *q = o->q + ((p * nb + b) * TR + r) * 32;
             int16_t *sv = o->s + ((p * nb + b) * TR + r) * 16;
@@ -67,6 +74,7 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int6
                 s = s < 1 ? 1 : (s > 32767 ? 32767 : s);
             }
             for (int c = 0; c < 16; c++) sv[c] = (int16_t)s;
+            o->sx[i * nbx + b] = (float)s;
             if (i >= M || rmax == 0.0f) {
                 memset(q, 0, 32);
                 o->sum[i * nb + b] = o->ssum[i * nb + b] = 0.0f;
@@ -91,88 +99,150 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int6
     free(amax);
 }
 
-/* One group's weight rows ready for the tiles: codes as bytes [row][block][32], each block's two scales
- * [row][block][8] (lanes 0-3: weights 0..15, lanes 4-7: 16..31, the lanes of vpmaddwd's sums), and the
- * blocks' minimums transposed [block][NGI] (zero past the group's last row and for signed types). */
+/* Eight vectors of eight 4-byte steps transposed: out[k] lane n = in[n] lane k. */
+static inline void transpose8x32(const __m256i *in, __m256i *out) {
+    __m256i a[8], b[8];
+    for (int i = 0; i < 8; i += 2) {
+        a[i] = _mm256_unpacklo_epi32(in[i], in[i + 1]);     /* n=i,i+1 at k 0,1 | 4,5 */
+        a[i + 1] = _mm256_unpackhi_epi32(in[i], in[i + 1]); /* k 2,3 | 6,7 */
+    }
+    for (int i = 0; i < 8; i += 4)
+        for (int h = 0; h < 2; h++) {
+            b[i + h] = _mm256_unpacklo_epi64(a[i + h], a[i + 2 + h]);     /* n=i..i+3 at k 2h | 2h+4 */
+            b[i + 2 + h] = _mm256_unpackhi_epi64(a[i + h], a[i + 2 + h]); /* k 2h+1 | 2h+5 */
+        }
+    /* b[i + q] (i = 0, 4) holds rows i..i+3 of steps kq and kq + 4, kq = 0, 2, 1, 3 for q = 0..3 */
+    static const int kq[4] = {0, 2, 1, 3};
+    for (int q = 0; q < 4; q++) {
+        out[kq[q]] = _mm256_permute2x128_si256(b[q], b[4 + q], 0x20);
+        out[kq[q] + 4] = _mm256_permute2x128_si256(b[q], b[4 + q], 0x31);
+    }
+}
+
+/* One group's weight rows ready for the tiles, in sets of SUB rows side by side: codes as
+ * [set][block][step 0..7][row 0..7][4 bytes] (step k: the block's weights 4k..4k+3 of each row; wu), their
+ * absolute values for the signed types (wa), the blocks' scales [set][block][row] (dv), and the blocks'
+ * minimums transposed [block][NGI] (mt; zero for signed types). Rows past the group's last are zero. */
 NS_ALWAYS_INLINE void unpack_group(int t, const BlockWeight *w, int64_t n0, int64_t cols, int64_t nb, uint8_t *wu,
-                                   float *dv, float *mt) {
+                                   uint8_t *wa, float *dv, float *mt) {
+    const int64_t sets = (cols + SUB - 1) / SUB;
     memset(mt, 0, sizeof(float) * (size_t)(nb * NGI));
-    for (int64_t j = 0; j < cols; j++) {
-        const uint8_t *row = (const uint8_t *)w->data + (n0 + j) * w->row_bytes;
+    for (int64_t g = 0; g < sets; g++) {
+        const uint8_t *rows[SUB];
+        const int64_t live = cols - g * SUB < SUB ? cols - g * SUB : SUB;
+        for (int n = 0; n < SUB; n++) rows[n] = n < live ? (const uint8_t *)w->data + (n0 + g * SUB + n) * w->row_bytes : NULL;
         for (int64_t b = 0; b < nb; b++) {
-            const Sub32 s = decode32(t, row, b);
-            _mm256_store_si256((__m256i *)(wu + (j * nb + b) * 32), s.q);
-            _mm256_store_ps(dv + (j * nb + b) * 8, _mm256_set_m128(_mm_set1_ps(s.s1), _mm_set1_ps(s.s0)));
-            mt[b * NGI + j] = s.m;
+            __m256i q[SUB], steps[8];
+            for (int n = 0; n < SUB; n++) {
+                float d = 0.0f;
+                q[n] = _mm256_setzero_si256();
+                if (rows[n]) {
+                    const Sub32 s = decode32(t, rows[n], b);
+                    q[n] = s.q;
+                    d = s.s0;
+                    mt[b * NGI + g * SUB + n] = s.m;
+                }
+                dv[(g * nb + b) * SUB + n] = d;
+            }
+            transpose8x32(q, steps);
+            uint8_t *dst = wu + (g * nb + b) * 256, *adst = wa + (g * nb + b) * 256;
+            for (int k = 0; k < 8; k++) {
+                _mm256_store_si256((__m256i *)(dst + k * 32), steps[k]);
+                if (TYPE_SIGNED(t)) _mm256_store_si256((__m256i *)(adst + k * 32), _mm256_abs_epi8(steps[k]));
+            }
         }
     }
 }
 
-/* The integer part of TR rows times `tc` (TC or 1) weight rows: acc[r][c] += d * s * (q_w . q_x) per block.
- * The empty asm statements keep the scales in registers; the compiler otherwise re-reads them from
- * memory for every product and the loop becomes bound by loads. */
-#define TILE_BODY(tc)                                                                                       \
-    for (int64_t b = 0; b < nb; b++) {                                                                      \
-        __m256i wv[tc], wa[tc];                                                                             \
-        __m256 dd[tc];                                                                                      \
-        for (int c = 0; c < tc; c++) {                                                                      \
-            wv[c] = _mm256_load_si256((const __m256i *)(wu + ((j + c) * nb + b) * 32));                     \
-            wa[c] = TYPE_SIGNED(t) ? _mm256_abs_epi8(wv[c]) : wv[c];                                        \
-            dd[c] = _mm256_load_ps(dv + ((j + c) * nb + b) * 8);                                            \
-            NS_KEEP_IN_REGISTER(dd[c]);                                                                     \
-            NS_KEEP_IN_REGISTER(wv[c]);                                                                     \
-            if (TYPE_SIGNED(t)) NS_KEEP_IN_REGISTER(wa[c]);                                                 \
-        }                                                                                                   \
-        for (int r = 0; r < TR; r++) {                                                                      \
-            const __m256i xv = _mm256_load_si256((const __m256i *)(qp + (b * TR + r) * 32));                \
-            __m256i sv = _mm256_load_si256((const __m256i *)(sp + (b * TR + r) * 16));                      \
-            NS_KEEP_IN_REGISTER(sv);                                                                        \
-            for (int c = 0; c < tc; c++) {                                                                  \
-                const __m256i p = dot_codes(t, wv[c], wa[c], xv, sv);                                       \
-                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), dd[c], acc[r][c]);                       \
-            }                                                                                               \
-        }                                                                                                   \
+/* The eight partial sums S_j (lanes: the set's weight rows) summed in hsum256's order:
+ * ((S0 + S4) + (S2 + S6)) + ((S1 + S5) + (S3 + S7)). */
+static inline __m256 sum_partials(const __m256 *p) {
+    const __m256 u0 = _mm256_add_ps(p[0], p[4]), u1 = _mm256_add_ps(p[1], p[5]);
+    const __m256 u2 = _mm256_add_ps(p[2], p[6]), u3 = _mm256_add_ps(p[3], p[7]);
+    return _mm256_add_ps(_mm256_add_ps(u0, u2), _mm256_add_ps(u1, u3));
+}
+
+/* One set of SUB weight rows against one panel of TR rows of x: for each residue j, the fused
+ * multiply-adds over blocks j, j + 8, ..., each block's integer products summed across its 8 steps in
+ * int16 (WIDEN_STEPS at a time) and int32, then converted once for all SUB weight rows. */
+NS_ALWAYS_INLINE void tile_partials(int t, const int8_t *qp, const float *const *sxr, const uint8_t *wu,
+                                    const uint8_t *wa, const float *dv, int64_t nb, __m256 part[TR][8]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int W = WIDEN_STEPS(t);
+    for (int j = 0; j < 8; j++) {
+        __m256 acc[TR];
+        for (int r = 0; r < TR; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t b = j; b < nb; b += 8) {
+            const int8_t *xb = qp + b * TR * 32;
+            __m256i tot[TR];
+            for (int r = 0; r < TR; r++) tot[r] = _mm256_setzero_si256();
+            for (int k0 = 0; k0 < 8; k0 += W) {
+                __m256i h[TR];
+                for (int k = k0; k < k0 + W; k++) {
+                    const __m256i wv = _mm256_load_si256((const __m256i *)(wu + (b * 8 + k) * 32));
+                    const __m256i av = TYPE_SIGNED(t) ? _mm256_load_si256((const __m256i *)(wa + (b * 8 + k) * 32)) : wv;
+                    for (int r = 0; r < TR; r++) {
+                        int32_t x4;
+                        memcpy(&x4, xb + r * 32 + k * 4, 4);
+                        const __m256i xv = _mm256_set1_epi32(x4);
+                        const __m256i p = TYPE_SIGNED(t) ? _mm256_maddubs_epi16(av, _mm256_sign_epi8(xv, wv))
+                                                         : _mm256_maddubs_epi16(wv, xv);
+                        h[r] = k == k0 ? p : _mm256_add_epi16(h[r], p);
+                    }
+                }
+                for (int r = 0; r < TR; r++) tot[r] = _mm256_add_epi32(tot[r], _mm256_madd_epi16(h[r], ones));
+            }
+            const __m256 d = _mm256_load_ps(dv + b * SUB);
+            for (int r = 0; r < TR; r++)
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot[r]), _mm256_mul_ps(d, _mm256_broadcast_ss(sxr[r] + b)), acc[r]);
+        }
+        for (int r = 0; r < TR; r++) part[r][j] = acc[r];
     }
+}
 
 /* One group of weight rows (n0 .. n0 + cols - 1) against rows i0 .. i0 + M - 1 of x: unpack, minimum
- * terms, then the tiles. The scratch (wu, dv, mt, m_terms) is the calling thread's. */
+ * terms, then the tiles. The scratch (wu, wa, dv, mt, m_terms) is the calling thread's. */
 NS_ALWAYS_INLINE void gemm_group(int t, const QuantizedRows *xq, const BlockWeight *w, float *out, int64_t ldo,
-                                 int64_t i0, int64_t M, int64_t nb, int64_t n0, int64_t cols, uint8_t *wu, float *dv,
-                                 float *mt, float *m_terms) {
-    const int64_t panels = (M + TR - 1) / TR;
-    unpack_group(t, w, n0, cols, nb, wu, dv, mt);
-    /* the minimum term of every output, each lane one weight row, in block order (as stream_row) */
-    for (int64_t i = 0; i < M; i++) {
-        __m256 a[NGI / 8];
-        for (int v = 0; v < NGI / 8; v++) a[v] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; b++) {
-            const __m256 s = _mm256_set1_ps(xq->sum[(i0 + i) * nb + b]);
-            for (int v = 0; v < NGI / 8; v++) a[v] = _mm256_fmadd_ps(s, _mm256_loadu_ps(mt + b * NGI + v * 8), a[v]);
+                                 int64_t i0, int64_t M, int64_t nb, int64_t n0, int64_t cols, uint8_t *wu, uint8_t *wa,
+                                 float *dv, float *mt, float *m_terms) {
+    const int64_t panels = (M + TR - 1) / TR, sets = (cols + SUB - 1) / SUB, nbx = xs_blocks(nb);
+    unpack_group(t, w, n0, cols, nb, wu, wa, dv, mt);
+    /* the minimum term of every output, each lane one weight row: per residue j the fused multiply-adds
+     * over blocks j, j + 8, ..., summed as stream_row's hsum256 (none for the signed types) */
+    for (int64_t i = 0; i < M && !TYPE_SIGNED(t); i++) {
+        __m256 part[NGI / 8][8];
+        for (int j = 0; j < 8; j++) {
+            __m256 a[NGI / 8];
+            for (int v = 0; v < NGI / 8; v++) a[v] = _mm256_setzero_ps();
+            for (int64_t b = j; b < nb; b += 8) {
+                const __m256 s = _mm256_set1_ps(xq->sum[(i0 + i) * nb + b]);
+                for (int v = 0; v < NGI / 8; v++) a[v] = _mm256_fmadd_ps(s, _mm256_loadu_ps(mt + b * NGI + v * 8), a[v]);
+            }
+            for (int v = 0; v < NGI / 8; v++) part[v][j] = a[v];
         }
-        for (int v = 0; v < NGI / 8; v++) _mm256_storeu_ps(m_terms + i * NGI + v * 8, a[v]);
+        for (int v = 0; v < NGI / 8; v++) _mm256_storeu_ps(m_terms + i * NGI + v * 8, sum_partials(part[v]));
     }
+    if (TYPE_SIGNED(t)) memset(m_terms, 0, sizeof(float) * (size_t)(M * NGI));
     for (int64_t p = 0; p < panels; p++) {
         const int8_t *qp = xq->q + (i0 / TR + p) * nb * TR * 32;
-        const int16_t *sp = xq->s + (i0 / TR + p) * nb * TR * 16;
         const int64_t rows = M - p * TR < TR ? M - p * TR : TR;
-        int64_t j = 0;
-        for (; j + TC <= cols; j += TC) {
-            __m256 acc[TR][TC];
-            for (int r = 0; r < TR; r++) for (int c = 0; c < TC; c++) acc[r][c] = _mm256_setzero_ps();
-            TILE_BODY(TC)
-            for (int64_t r = 0; r < rows; r++)
-                for (int c = 0; c < TC; c++) {
-                    const int64_t i = p * TR + r;
-                    out[(i0 + i) * ldo + n0 + j + c] = finish(xq->dx[i0 + i], acc[r][c], m_terms[i * NGI + j + c]);
-                }
-        }
-        for (; j < cols; j++) {
-            __m256 acc[TR][1];
-            for (int r = 0; r < TR; r++) acc[r][0] = _mm256_setzero_ps();
-            TILE_BODY(1)
+        const float *sxr[TR];
+        for (int r = 0; r < TR; r++) sxr[r] = xq->sx + (i0 + p * TR + r) * nbx;
+        for (int64_t g = 0; g < sets; g++) {
+            __m256 part[TR][8];
+            tile_partials(t, qp, sxr, wu + g * nb * 256, wa + g * nb * 256, dv + g * nb * SUB, nb, part);
+            const int64_t width = cols - g * SUB < SUB ? cols - g * SUB : SUB;
             for (int64_t r = 0; r < rows; r++) {
                 const int64_t i = p * TR + r;
-                out[(i0 + i) * ldo + n0 + j] = finish(xq->dx[i0 + i], acc[r][0], m_terms[i * NGI + j]);
+                const __m256 y = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(xq->dx[i0 + i]), sum_partials(part[r])),
+                                               _mm256_loadu_ps(m_terms + i * NGI + g * SUB));
+                float *o = out + (i0 + i) * ldo + n0 + g * SUB;
+                if (width == SUB) _mm256_storeu_ps(o, y);
+                else {
+                    _Alignas(32) float tmp[SUB];
+                    _mm256_store_ps(tmp, y);
+                    memcpy(o, tmp, sizeof(float) * (size_t)width);
+                }
             }
         }
     }
@@ -188,51 +258,105 @@ static void gemm_rows(const QuantizedRows *xq, const BlockWeight *w, float *out,
 #pragma omp parallel
     {
         uint8_t *wu = aligned_alloc(32, (size_t)(NGI * nb * 32));
-        float *dv = aligned_alloc(32, sizeof(float) * (size_t)(NGI * nb * 8));
+        uint8_t *wa = aligned_alloc(32, (size_t)(NGI * nb * 32));
+        float *dv = aligned_alloc(32, sizeof(float) * (size_t)(NGI * nb));
         float *mt = malloc(sizeof(float) * (size_t)(nb * NGI));
         float *m_terms = malloc(sizeof(float) * (size_t)(M * NGI)); /* [row][col] */
 #pragma omp for schedule(dynamic, 2)
         for (int64_t g = 0; g < groups; g++) {
             const int64_t n0 = g * NGI, cols = N - n0 < NGI ? N - n0 : NGI;
             switch (w->type) {
-#define CASE(T) case T: gemm_group(T, xq, w, out, ldo, i0, M, nb, n0, cols, wu, dv, mt, m_terms); break;
+#define CASE(T) case T: gemm_group(T, xq, w, out, ldo, i0, M, nb, n0, cols, wu, wa, dv, mt, m_terms); break;
                 FOR_EACH_BLOCK32_TYPE(CASE)
 #undef CASE
             default: break;
             }
         }
         free(wu);
+        free(wa);
         free(dv);
         free(mt);
         free(m_terms);
     }
 }
 
+/* The totals of eight blocks' 8-lane sums p[0..7], lane j: block j's (exact integers). */
+static inline __m256i block_totals(const __m256i *p) {
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+/* The scales d and minimums m of eight blocks b0 .. b0 + 7 of a row (n8 inside it, zero past its end),
+ * as decode32 gives them: each 32-weight type starts its block with d as float16, Q4_1 and Q5_1 follow it
+ * with m, and Q4_0 and Q5_0 take m = -8d and -16d. Eight half-floats converted at once. */
+NS_ALWAYS_INLINE void block_scales8(int t, const uint8_t *row, int64_t b0, int n8, __m256 *d, __m256 *m) {
+    static const uint8_t halves[32] = {0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                       0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15};
+    int32_t h[8];
+    for (int j = 0; j < 8; j++) {
+        h[j] = 0;
+        if (j < n8) memcpy(&h[j], row + (b0 + j) * type_block_bytes(t), 4);
+    }
+    const __m256i v = _mm256_setr_epi32(h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]);
+    const __m256i split = _mm256_shuffle_epi8(v, _mm256_loadu_si256((const __m256i *)halves));
+    const __m256i both = _mm256_permutevar8x32_epi32(split, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+    *d = _mm256_cvtph_ps(_mm256_castsi256_si128(both));
+    if (t == T_Q4_1 || t == T_Q5_1) *m = _mm256_cvtph_ps(_mm256_extracti128_si256(both, 1));
+    else if (t == T_Q4_0) *m = _mm256_mul_ps(*d, _mm256_set1_ps(-8.0f));
+    else if (t == T_Q5_0) *m = _mm256_mul_ps(*d, _mm256_set1_ps(-16.0f));
+    else *m = _mm256_setzero_ps();
+}
+
+/* Eight blocks b0 .. b0 + 7 of one weight row (n8 of them inside the row; past its end zero sums and
+ * scales) into stream_row's accumulators: lane j of acc[i] takes block b0 + j. */
+NS_ALWAYS_INLINE void stream_blocks(int t, const QuantizedRows *xq, const uint8_t *row, int64_t M, int64_t nb,
+                                    int64_t b0, int n8, __m256 *acc, __m256 *m_acc) {
+    /* the codes through L1 (the rows of x reload them): sixteen vectors would not stay in registers */
+    _Alignas(32) uint8_t wv[8][32], wa[8][32];
+    for (int j = 0; j < 8; j++) {
+        __m256i q = _mm256_setzero_si256();
+        if (j < n8) {
+            _mm_prefetch((const char *)row + (b0 + j) * type_block_bytes(t) + STREAM_PREFETCH_BYTES, _MM_HINT_T0);
+            q = decode32(t, row, b0 + j).q;
+        }
+        _mm256_store_si256((__m256i *)wv[j], q);
+        if (TYPE_SIGNED(t)) _mm256_store_si256((__m256i *)wa[j], _mm256_abs_epi8(q));
+    }
+    __m256 dd, mm;
+    block_scales8(t, row, b0, n8, &dd, &mm);
+    const int64_t nbx = xs_blocks(nb);
+#pragma GCC unroll 8
+    for (int64_t i = 0; i < M; i++) {
+        const int64_t off = quantized_row_offset(i, nb);
+        __m256i p[8];
+        for (int j = 0; j < 8; j++) {
+            if (j >= n8) { /* past the row's end (the last eight blocks only) */
+                p[j] = _mm256_setzero_si256();
+                continue;
+            }
+            const __m256i w = _mm256_load_si256((const __m256i *)wv[j]);
+            const __m256i a = TYPE_SIGNED(t) ? _mm256_load_si256((const __m256i *)wa[j]) : w;
+            p[j] = block_dot(t, w, a, _mm256_load_si256((const __m256i *)(xq->q + (off + (b0 + j) * TR) * 32)));
+        }
+        const __m256 scale = _mm256_mul_ps(dd, _mm256_loadu_ps(xq->sx + i * nbx + b0));
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_totals(p)), scale, acc[i]);
+        /* the minimum term (lanes past the row's end: sum * 0, sum padded and finite) */
+        if (!TYPE_SIGNED(t)) m_acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(xq->sum + i * nb + b0), mm, m_acc[i]);
+    }
+}
+
 /* Up to STREAM_MAX_ROWS rows: each weight row's blocks are read once from memory and used for every row
- * of x (the step is bound by reading the weights), with the GEMM's operations in the GEMM's order. */
+ * of x (the step is bound by reading the weights), eight blocks at a time, with the GEMM's operations
+ * per output in the GEMM's order. */
 NS_ALWAYS_INLINE void stream_row(int t, const QuantizedRows *xq, const uint8_t *row, float *out, int64_t ldo,
                                  int64_t M, int64_t nb) {
-    __m256 acc[STREAM_MAX_ROWS];
-    float m_term[STREAM_MAX_ROWS];
-    for (int64_t i = 0; i < M; i++) {
-        acc[i] = _mm256_setzero_ps();
-        m_term[i] = 0.0f;
-    }
-    for (int64_t b = 0; b < nb; b++) {
-        _mm_prefetch((const char *)row + b * type_block_bytes(t) + STREAM_PREFETCH_BYTES, _MM_HINT_T0);
-        const Sub32 s = decode32(t, row, b);
-        const __m256i wa = TYPE_SIGNED(t) ? _mm256_abs_epi8(s.q) : s.q;
-        const __m256 dd = _mm256_set_m128(_mm_set1_ps(s.s1), _mm_set1_ps(s.s0));
-        for (int64_t i = 0; i < M; i++) {
-            const int64_t off = quantized_row_offset(i, nb) + b * TR;
-            const __m256i xv = _mm256_load_si256((const __m256i *)(xq->q + off * 32));
-            const __m256i sv = _mm256_load_si256((const __m256i *)(xq->s + off * 16));
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_codes(t, s.q, wa, xv, sv)), dd, acc[i]);
-            /* the GEMM's minimum term: the same fused multiply-adds in block order */
-            if (!TYPE_SIGNED(t)) m_term[i] = NS_FMA(xq->sum[i * nb + b], s.m, m_term[i]);
-        }
-    }
-    for (int64_t i = 0; i < M; i++) out[i * ldo] = finish(xq->dx[i], acc[i], m_term[i]);
+    __m256 acc[STREAM_MAX_ROWS], m_acc[STREAM_MAX_ROWS];
+    for (int64_t i = 0; i < M; i++) acc[i] = m_acc[i] = _mm256_setzero_ps();
+    int64_t b0 = 0;
+    for (; b0 + 8 <= nb; b0 += 8) stream_blocks(t, xq, row, M, nb, b0, 8, acc, m_acc);
+    if (b0 < nb) stream_blocks(t, xq, row, M, nb, b0, (int)(nb - b0), acc, m_acc);
+    for (int64_t i = 0; i < M; i++) out[i * ldo] = finish(xq->dx[i], acc[i], hsum256(m_acc[i]));
 }
 
 /* Each weight row in parallel (STREAM_ROWS_CASE). */
@@ -257,8 +381,9 @@ static void stream_rows(const QuantizedRows *xq, const BlockWeight *w, float *ou
 void weight_gemm_i8(const float *x, const BlockWeight *w, float *out, int64_t M, int64_t ldo) {
     const int64_t K = w->k, nb = K / 32, Mp = (M + TR - 1) / TR * TR;
     QuantizedRows xq = {aligned_alloc(32, (size_t)(Mp * K)), aligned_alloc(32, sizeof(int16_t) * (size_t)(Mp * nb * 16)),
-                        malloc(sizeof(float) * (size_t)Mp), malloc(sizeof(float) * (size_t)(Mp * nb)),
-                        malloc(sizeof(float) * (size_t)(Mp * nb)), malloc(sizeof(float) * (size_t)(Mp * nb * 2))};
+                        malloc(sizeof(float) * (size_t)Mp), calloc((size_t)(Mp * nb + 8), sizeof(float)),
+                        malloc(sizeof(float) * (size_t)(Mp * nb)), malloc(sizeof(float) * (size_t)(Mp * nb * 2)),
+                        malloc(sizeof(float) * (size_t)(Mp * xs_blocks(nb)))};
     const int k_type = TYPE_IS_K(w->type);
     quantize_rows(x, M, Mp, K, k_type ? K_GROUP_BLOCKS : 1, &xq);
     if (!k_type && M <= STREAM_MAX_ROWS) stream_rows(&xq, w, out, ldo, M, nb);
@@ -274,4 +399,5 @@ void weight_gemm_i8(const float *x, const BlockWeight *w, float *out, int64_t M,
     free(xq.sum);
     free(xq.ssum);
     free(xq.qsum16);
+    free(xq.sx);
 }

@@ -13,18 +13,21 @@
 #define TR 4 /* rows of x per panel */
 
 /* Block b of row i is x ~= dx[i] * s * q with q in -127..127 and s an integer in 1..32767, so a block's
- * scale is nearly as fine as a float's while the product's per-block factor is one integer multiply
- * (vpmaddwd by s, which also widens to 32 bits). Rows in panels of TR: q as [panel][block][row][32], s
- * as [panel][block][row][16] (one vector), and per [row][block] the block's sum of q times s (ssum) and
- * that times dx (sum), for the weights' minimum terms; per [row][half-block] the sum of q alone over
- * each 16 values (qsum16, for the K types' minimum and offset terms). Rows past M are zero. For the K
- * types s is one per super-block of K_GROUP_BLOCKS blocks (llama.cpp's Q8_K: one scale per 256
- * values), so that their products add integers over a whole super-block (k_quant_i8.c). */
+ * scale is nearly as fine as a float's. Rows in panels of TR: q as [panel][block][row][32], s as
+ * [panel][block][row][16] (one vector, for the K types' vpmaddwd) and as a float per [row][block] (sx,
+ * each row padded with zeros to a multiple of 8 blocks: XS_BLOCKS), and per [row][block] the block's
+ * sum of q times s (ssum) and that times dx (sum), for the weights' minimum terms; per [row][half-block]
+ * the sum of q alone over each 16 values (qsum16, for the K types' minimum and offset terms). Rows past
+ * M are zero. For the K types s is one per super-block of K_GROUP_BLOCKS blocks (llama.cpp's Q8_K: one
+ * scale per 256 values), so that their products add integers over a whole super-block (k_quant_i8.c). */
 typedef struct {
     int8_t *q;
     int16_t *s;
-    float *dx, *sum, *ssum, *qsum16;
+    float *dx, *sum, *ssum, *qsum16, *sx;
 } QuantizedRows;
+
+/* Blocks per row of sx: nb rounded up to a multiple of 8 (the streaming kernels read 8 blocks at a time). */
+static inline int64_t xs_blocks(int64_t nb) { return (nb + 7) / 8 * 8; }
 
 #define K_GROUP_BLOCKS 8
 
@@ -33,20 +36,21 @@ static inline int64_t quantized_row_offset(int64_t i, int64_t nb) {
     return (i / TR) * nb * TR + i % TR;
 }
 
-/* The integer dot products of 32 codes w with 32 quantized x, times x's block scale s, as 8 int32 sums
- * (lane l: weights 4l..4l+3). Signed codes multiply |w| by x with w's sign (vpmaddubsw takes unsigned
- * first operands); unsigned ones (0..63) multiply directly. No sum saturates: |w x| <= 127 * 127. */
-NS_ALWAYS_INLINE __m256i dot_codes(int t, __m256i wv, __m256i wabs, __m256i xv, __m256i sv) {
+/* The 32 products of a block's codes w with 32 quantized x, as 8 int32 sums (lane l: weights 4l..4l+3),
+ * exact: |sum| <= 32 * 127 * 127. Signed codes multiply |w| by x with w's sign (vpmaddubsw takes unsigned
+ * first operands); unsigned ones (0..63) multiply directly. No pair saturates: 2 * 127 * 127 < 32767. */
+NS_ALWAYS_INLINE __m256i block_dot(int t, __m256i wv, __m256i wabs, __m256i xv) {
     const __m256i p = TYPE_SIGNED(t) ? _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv, wv)) : _mm256_maddubs_epi16(wv, xv);
-    return _mm256_madd_epi16(p, sv);
+    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
 }
 
 /* The streaming kernels (decode steps): up to STREAM_MAX_ROWS rows of x against one weight row at a
  * time, each thread's weight rows one sequential stream, prefetched STREAM_PREFETCH_BYTES ahead
  * (quant_blocks.h). Several weight rows side by side were measured no faster (2026-12-03, AMD EPYC:
  * 2 or 4 rows at 1 row of x, 12% faster on weights in cache, up to 2x slower on weights 4x the L3). */
-#define STREAM_MAX_ROWS 8 /* measured (nanoserve bench kernels, Q4_1 and Q8_0, 2026-12-03): the tiled GEMM
-                             * took 2.4-3.5x the streaming time at 3 to 8 rows; at 16 it is faster */
+#define STREAM_MAX_ROWS 8 /* measured (nanoserve bench kernels, 65536 x 2048, 2026-12-03): at 6 and 8 rows
+                             * the interleaved GEMM took 1.0-2.5x the streaming time (Q4_1 1.0-1.35x,
+                             * Q5_0 2.0-2.5x, Q8_0 1.4-1.9x); at 16 it is faster */
 
 /* out = dx * (the integer part's lanes summed) + (the minimum term): one function for every int8 kernel. */
 static inline float finish(float dx, __m256 acc, float m_term) {

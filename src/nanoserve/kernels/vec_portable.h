@@ -215,6 +215,50 @@ NS_INLINE __m256i _mm256_load_si256(const __m256i *p) { return _mm256_loadu_si25
 NS_INLINE void _mm256_storeu_si256(__m256i *p, __m256i a) { memcpy(p, &a, 32); }
 NS_INLINE void _mm256_store_si256(__m256i *p, __m256i a) { memcpy(p, &a, 32); }
 NS_INLINE __m256i _mm256_add_epi32(__m256i a, __m256i b) { NS_LANES(8) a.u[l] += b.u[l]; return a; }
+NS_INLINE __m256i _mm256_add_epi16(__m256i a, __m256i b) {
+    NS_LANES(16) a.h[l] = (int16_t)(uint16_t)((uint16_t)a.h[l] + (uint16_t)b.h[l]);
+    return a;
+}
+NS_INLINE __m256i _mm256_hadd_epi32(__m256i a, __m256i b) { /* pairs within each 128-bit half: a's, then b's */
+    __m256i r;
+    for (int half = 0; half < 2; half++) {
+        const int o = 4 * half;
+        r.u[o] = a.u[o] + a.u[o + 1];
+        r.u[o + 1] = a.u[o + 2] + a.u[o + 3];
+        r.u[o + 2] = b.u[o] + b.u[o + 1];
+        r.u[o + 3] = b.u[o + 2] + b.u[o + 3];
+    }
+    return r;
+}
+NS_INLINE __m256i _mm256_permute2x128_si256(__m256i a, __m256i b, int imm) {
+    __m256i r;
+    for (int half = 0; half < 2; half++) {
+        const int sel = (imm >> (4 * half)) & 0xf;
+        const uint32_t *src = (sel & 2) ? b.u : a.u;
+        NS_LANES(4) r.u[4 * half + l] = (sel & 8) ? 0u : src[4 * (sel & 1) + l];
+    }
+    return r;
+}
+NS_INLINE __m256i _mm256_unpacklo_epi32(__m256i a, __m256i b) { /* within each 128-bit half */
+    __m256i r;
+    for (int o = 0; o < 8; o += 4) { r.u[o] = a.u[o]; r.u[o + 1] = b.u[o]; r.u[o + 2] = a.u[o + 1]; r.u[o + 3] = b.u[o + 1]; }
+    return r;
+}
+NS_INLINE __m256i _mm256_unpackhi_epi32(__m256i a, __m256i b) {
+    __m256i r;
+    for (int o = 0; o < 8; o += 4) { r.u[o] = a.u[o + 2]; r.u[o + 1] = b.u[o + 2]; r.u[o + 2] = a.u[o + 3]; r.u[o + 3] = b.u[o + 3]; }
+    return r;
+}
+NS_INLINE __m256i _mm256_unpacklo_epi64(__m256i a, __m256i b) {
+    __m256i r;
+    for (int o = 0; o < 8; o += 4) { r.u[o] = a.u[o]; r.u[o + 1] = a.u[o + 1]; r.u[o + 2] = b.u[o]; r.u[o + 3] = b.u[o + 1]; }
+    return r;
+}
+NS_INLINE __m256i _mm256_unpackhi_epi64(__m256i a, __m256i b) {
+    __m256i r;
+    for (int o = 0; o < 8; o += 4) { r.u[o] = a.u[o + 2]; r.u[o + 1] = a.u[o + 3]; r.u[o + 2] = b.u[o + 2]; r.u[o + 3] = b.u[o + 3]; }
+    return r;
+}
 NS_INLINE __m256i _mm256_mullo_epi32(__m256i a, __m256i b) { NS_LANES(8) a.u[l] *= b.u[l]; return a; }
 NS_INLINE __m256i _mm256_srli_epi32(__m256i a, int n) { NS_LANES(8) a.u[l] = n > 31 ? 0 : a.u[l] >> n; return a; }
 NS_INLINE __m256i _mm256_slli_epi32(__m256i a, int n) { NS_LANES(8) a.u[l] = n > 31 ? 0 : a.u[l] << n; return a; }
