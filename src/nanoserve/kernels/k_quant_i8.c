@@ -2,8 +2,10 @@
  * 256 (quantized_rows.h, as llama.cpp's Q8_K): within a super-block every product is an integer, so the
  * sub-blocks' scales multiply in vpmaddwd and the sums add as integers (exact); one float multiply-add
  * per super-block then applies d (the weights') times x's scale. Decode steps stream the weights; more
- * rows run a tiled GEMM. Both take the same operations in the same order for each output, so a row's
- * result does not depend on its batch. */
+ * rows run a GEMM with 8 weight rows side by side per vector. Both take the same operations in the same
+ * order for each output, so a row's result does not depend on its batch: per super-block g the integer
+ * T_g, then acc = the fused multiply-adds T_g * (d * xs) in order, m = those of -(dmin * xs) * (the
+ * minimums' dot with x's sums), out = acc + m. */
 /* No fused a * b + c or reordered sums that one kernel would get and the other not (the build allows both). */
 #pragma GCC optimize("fp-contract=off", "no-associative-math")
 #include "simd.h"
@@ -83,11 +85,11 @@ static inline float k_min_dot(const __m256 *mn, const QuantizedRows *xq, int64_t
     return hsum256(_mm256_add_ps(_mm256_mul_ps(mn[0], _mm256_loadu_ps(qs)), _mm256_mul_ps(mn[1], _mm256_loadu_ps(qs + 8))));
 }
 
-/* The per-super-block step of one output: acc += float(isum) * (d * xs) and
+/* The per-super-block step of one output: acc += float(T) * (d * xs) and
  * m_term += -(dmin * xs) * (the minimums' dot with x's sums). */
-#define K_FOLD(acc, m_term, isum, d, dmin, xs, mdot)                                                         \
+#define K_FOLD(acc, m_term, total, d, dmin, xs, mdot)                                                        \
     do {                                                                                                     \
-        (acc) = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps((d) * (xs)), (acc));               \
+        (acc) = NS_FMA((float)(total), (d) * (xs), (acc));                                                   \
         (m_term) = NS_FMA(-((dmin) * (xs)), (mdot), (m_term));                                               \
     } while (0)
 
@@ -95,12 +97,8 @@ static inline float k_min_dot(const __m256 *mn, const QuantizedRows *xq, int64_t
 NS_ALWAYS_INLINE void k_stream_row(int t, const QuantizedRows *xq, const uint8_t *row, float *out, int64_t ldo,
                                    int64_t i0, int64_t M, int64_t nb) {
     const int64_t bytes = type_block_bytes(t);
-    __m256 acc[STREAM_MAX_ROWS];
-    float m_term[STREAM_MAX_ROWS];
-    for (int64_t i = 0; i < M; i++) {
-        acc[i] = _mm256_setzero_ps();
-        m_term[i] = 0.0f;
-    }
+    float acc[STREAM_MAX_ROWS], m_term[STREAM_MAX_ROWS];
+    for (int64_t i = 0; i < M; i++) acc[i] = m_term[i] = 0.0f;
     for (int64_t g = 0; g < nb / 8; g++) {
         const uint8_t *p = row + g * bytes;
         for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + STREAM_PREFETCH_BYTES + o, _MM_HINT_T0);
@@ -120,17 +118,23 @@ NS_ALWAYS_INLINE void k_stream_row(int t, const QuantizedRows *xq, const uint8_t
         }
         for (int64_t i = 0; i < M; i++) {
             const float xs = k_x_scale(xq, i0 + i, nb, g);
-            K_FOLD(acc[i], m_term[i], isum[i], ks.d, ks.dmin, xs, k_min_dot(ks.mn, xq, i0 + i, nb, g));
+            K_FOLD(acc[i], m_term[i], hsum_epi32(isum[i]), ks.d, ks.dmin, xs, k_min_dot(ks.mn, xq, i0 + i, nb, g));
         }
     }
-    for (int64_t i = 0; i < M; i++) out[i * ldo] = finish(1.0f, acc[i], m_term[i]);
+    for (int64_t i = 0; i < M; i++) out[i * ldo] = acc[i] + m_term[i];
 }
 
-#define TC 2   /* weight rows per tile */
-#define NGI 16 /* weight rows unpacked per group */
+#define SUB 8  /* weight rows side by side in the GEMM's vectors, one per lane */
+#define NGI 16 /* weight rows unpacked per group: a multiple of SUB */
 
-/* A group's weight rows ready for the tiles: unsigned codes [row][block][32], vpmaddwd multipliers
- * [row][block][16], and per [row][super-block] d, dmin and the 16 minimums (KIntScales). */
+/* Steps (4 weights of each row) whose vpmaddubsw pair sums one int16 lane holds before vpmaddwd applies
+ * the sub-block's scale: 8 of 4-bit codes (16 * 15 * 127 < 32767), 4 of 5-bit, 2 of 6-bit (4 * 63 * 127). */
+#define K_WIDEN_STEPS(t) ((t) == T_Q4_K ? 8 : (t) == T_Q5_K ? 4 : 2)
+
+/* A group's weight rows ready for the tiles, in sets of SUB rows side by side (per set and super-block):
+ * codes [sub-block][step 0..7][row 0..7][4 bytes] (256 bytes a sub-block), vpmaddwd multipliers
+ * [sub-block][half][16 int16] (32-bit lane n: row n's scale of the sub-block's weights 0..15 or 16..31),
+ * d and dmin [row], and the 16 minimums transposed [16][row]. Rows past the group's last are zero. */
 typedef struct {
     uint8_t *codes;
     int16_t *sc;
@@ -138,78 +142,114 @@ typedef struct {
 } KGroup;
 
 NS_ALWAYS_INLINE void k_unpack_group(int t, const BlockWeight *w, int64_t n0, int64_t cols, int64_t nb, KGroup *u) {
-    const int64_t ng = nb / 8, bytes = type_block_bytes(t);
-    for (int64_t c = 0; c < cols; c++) {
-        const uint8_t *row = (const uint8_t *)w->data + (n0 + c) * w->row_bytes;
+    const int64_t ng = nb / 8, bytes = type_block_bytes(t), sets = (cols + SUB - 1) / SUB;
+    for (int64_t s = 0; s < sets; s++) {
+        const int64_t live = cols - s * SUB < SUB ? cols - s * SUB : SUB;
         for (int64_t g = 0; g < ng; g++) {
-            const uint8_t *p = row + g * bytes;
-            KIntScales ks;
-            k_int_scales(t, p, &ks);
-            u->d[c * ng + g] = ks.d;
-            u->dmin[c * ng + g] = ks.dmin;
+            const int64_t sg = s * ng + g;
+            __m256i codes[8][SUB]; /* [sub-block][row] */
+            for (int n = 0; n < SUB; n++) {
+                int16_t *sc = u->sc + sg * 256;
+                if (n >= live) {
+                    for (int j = 0; j < 8; j++) codes[j][n] = _mm256_setzero_si256();
+                    for (int j = 0; j < 16; j++) sc[j * 16 + 2 * n] = sc[j * 16 + 2 * n + 1] = 0;
+                    u->d[sg * SUB + n] = u->dmin[sg * SUB + n] = 0.0f;
+                    for (int l = 0; l < 16; l++) u->mn[(sg * 16 + l) * SUB + n] = 0.0f;
+                    continue;
+                }
+                const uint8_t *p = (const uint8_t *)w->data + (n0 + s * SUB + n) * w->row_bytes + g * bytes;
+                KIntScales ks;
+                k_int_scales(t, p, &ks);
+                _Alignas(32) float mn[16];
+                _mm256_store_ps(mn, ks.mn[0]);
+                _mm256_store_ps(mn + 8, ks.mn[1]);
 #pragma GCC unroll 8
-            for (int j = 0; j < 8; j++) {
-                const int64_t b = c * nb + 8 * g + j;
-                _mm256_store_si256((__m256i *)(u->codes + b * 32), k_unsigned_codes(t, p, j));
-                _mm256_store_si256((__m256i *)(u->sc + b * 16), ks.sc[j]);
+                for (int j = 0; j < 8; j++) {
+                    codes[j][n] = k_unsigned_codes(t, p, j);
+                    _Alignas(32) int16_t m16[16];
+                    _mm256_store_si256((__m256i *)m16, ks.sc[j]);
+                    for (int h = 0; h < 2; h++) sc[(2 * j + h) * 16 + 2 * n] = sc[(2 * j + h) * 16 + 2 * n + 1] = m16[8 * h];
+                }
+                u->d[sg * SUB + n] = ks.d;
+                u->dmin[sg * SUB + n] = ks.dmin;
+                for (int l = 0; l < 16; l++) u->mn[(sg * 16 + l) * SUB + n] = mn[l];
             }
-            _mm256_store_ps(u->mn + (c * ng + g) * 16, ks.mn[0]);
-            _mm256_store_ps(u->mn + (c * ng + g) * 16 + 8, ks.mn[1]);
+            for (int j = 0; j < 8; j++) {
+                __m256i steps[8];
+                transpose8x32(codes[j], steps);
+                for (int k = 0; k < 8; k++) _mm256_store_si256((__m256i *)(u->codes + (sg * 8 + j) * 256 + k * 32), steps[k]);
+            }
         }
     }
 }
 
-/* The tile of TR rows of x (panel at row i0 + r0) times `tc` weight rows from column j of the group. */
-#define K_TILE(tc)                                                                                          \
-    do {                                                                                                    \
-        __m256 acc[TR][tc];                                                                                 \
-        float m_term[TR][tc];                                                                               \
-        for (int r = 0; r < TR; r++)                                                                        \
-            for (int c = 0; c < tc; c++) {                                                                  \
-                acc[r][c] = _mm256_setzero_ps();                                                            \
-                m_term[r][c] = 0.0f;                                                                        \
-            }                                                                                               \
-        for (int64_t g = 0; g < ng; g++) {                                                                  \
-            __m256i isum[TR][tc];                                                                           \
-            for (int r = 0; r < TR; r++)                                                                    \
-                for (int c = 0; c < tc; c++) isum[r][c] = _mm256_setzero_si256();                           \
-            for (int64_t b = 8 * g; b < 8 * g + 8; b++) {                                                   \
-                __m256i wv[tc], sv[tc];                                                                     \
-                for (int c = 0; c < tc; c++) {                                                              \
-                    wv[c] = _mm256_load_si256((const __m256i *)(u.codes + ((j + c) * nb + b) * 32));        \
-                    sv[c] = _mm256_load_si256((const __m256i *)(u.sc + ((j + c) * nb + b) * 16));           \
-                }                                                                                           \
-                for (int r = 0; r < TR; r++) {                                                              \
-                    const __m256i xv = _mm256_load_si256((const __m256i *)(qp + (b * TR + r) * 32));        \
-                    for (int c = 0; c < tc; c++) isum[r][c] = _mm256_add_epi32(isum[r][c], k_dot(wv[c], xv, sv[c])); \
-                }                                                                                           \
-            }                                                                                               \
-            for (int r = 0; r < TR; r++) {                                                                  \
-                const float xs = k_x_scale(xq, i0 + r0 + r, nb, g);                                         \
-                for (int c = 0; c < tc; c++) {                                                              \
-                    const float *mp = u.mn + ((j + c) * ng + g) * 16;                                       \
-                    const __m256 mn[2] = {_mm256_load_ps(mp), _mm256_load_ps(mp + 8)};                      \
-                    K_FOLD(acc[r][c], m_term[r][c], isum[r][c], u.d[(j + c) * ng + g], u.dmin[(j + c) * ng + g], \
-                           xs, k_min_dot(mn, xq, i0 + r0 + r, nb, g));                                      \
-                }                                                                                           \
-            }                                                                                               \
-        }                                                                                                   \
-        for (int64_t r = 0; r < rows; r++)                                                                  \
-            for (int c = 0; c < tc; c++)                                                                    \
-                out[(i0 + r0 + r) * ldo + n0 + j + c] = finish(1.0f, acc[r][c], m_term[r][c]);             \
-    } while (0)
+/* One set of SUB weight rows (its unpacked super-blocks from sg0) against one panel of TR rows of x
+ * (from row i of xq): the outputs of the set's rows, lane n for row n, in y[r]. */
+NS_ALWAYS_INLINE void k_tile(int t, const QuantizedRows *xq, const int8_t *qp, int64_t i, int64_t nb, const KGroup *u,
+                             int64_t sg0, __m256 *y) {
+    const int64_t ng = nb / 8;
+    const int W = K_WIDEN_STEPS(t);
+    __m256 acc[TR], m[TR];
+    for (int r = 0; r < TR; r++) acc[r] = m[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        const int64_t sg = sg0 + g;
+        __m256i tot[TR];
+        for (int r = 0; r < TR; r++) tot[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {
+            const int8_t *xb = qp + (8 * g + j) * TR * 32;
+            const uint8_t *wj = u->codes + (sg * 8 + j) * 256;
+            for (int k0 = 0; k0 < 8; k0 += W) {
+                __m256i h[TR];
+                for (int k = k0; k < k0 + W; k++) {
+                    const __m256i wv = _mm256_load_si256((const __m256i *)(wj + k * 32));
+                    for (int r = 0; r < TR; r++) {
+                        int32_t x4;
+                        memcpy(&x4, xb + r * 32 + k * 4, 4);
+                        const __m256i p = _mm256_maddubs_epi16(wv, _mm256_set1_epi32(x4));
+                        h[r] = k == k0 ? p : _mm256_add_epi16(h[r], p);
+                    }
+                }
+                const __m256i sc = _mm256_load_si256((const __m256i *)(u->sc + sg * 256 + (2 * j + k0 / 4) * 16));
+                for (int r = 0; r < TR; r++) tot[r] = _mm256_add_epi32(tot[r], _mm256_madd_epi16(h[r], sc));
+            }
+        }
+        const __m256 d = _mm256_load_ps(u->d + sg * SUB), dmin = _mm256_load_ps(u->dmin + sg * SUB);
+        for (int r = 0; r < TR; r++) {
+            const __m256 xs = _mm256_set1_ps(k_x_scale(xq, i + r, nb, g));
+            /* the minimums' dot with x's sums of codes: integers below 2^24, exact in any order */
+            const float *qs = xq->qsum16 + ((i + r) * nb + g * 8) * 2;
+            __m256 mdot = _mm256_setzero_ps();
+            for (int l = 0; l < 16; l++)
+                mdot = _mm256_fmadd_ps(_mm256_load_ps(u->mn + (sg * 16 + l) * SUB), _mm256_set1_ps(qs[l]), mdot);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot[r]), _mm256_mul_ps(d, xs), acc[r]);
+            m[r] = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, xs)), mdot, m[r]);
+        }
+    }
+    for (int r = 0; r < TR; r++) y[r] = _mm256_add_ps(acc[r], m[r]);
+}
 
 /* One group of weight rows (n0 .. n0 + cols - 1) against rows i0 .. i0 + M - 1 of x. */
 NS_ALWAYS_INLINE void k_gemm_group(int t, const QuantizedRows *xq, const BlockWeight *w, float *out, int64_t ldo,
                                    int64_t i0, int64_t M, int64_t nb, int64_t n0, int64_t cols, KGroup u) {
-    const int64_t ng = nb / 8;
+    const int64_t ng = nb / 8, sets = (cols + SUB - 1) / SUB;
     k_unpack_group(t, w, n0, cols, nb, &u);
     for (int64_t r0 = 0; r0 < M; r0 += TR) {
         const int8_t *qp = xq->q + ((i0 + r0) / TR) * nb * TR * 32;
         const int64_t rows = M - r0 < TR ? M - r0 : TR;
-        int64_t j = 0;
-        for (; j + TC <= cols; j += TC) K_TILE(TC);
-        for (; j < cols; j++) K_TILE(1);
+        for (int64_t s = 0; s < sets; s++) {
+            __m256 y[TR];
+            k_tile(t, xq, qp, i0 + r0, nb, &u, s * ng, y);
+            const int64_t width = cols - s * SUB < SUB ? cols - s * SUB : SUB;
+            for (int64_t r = 0; r < rows; r++) {
+                float *o = out + (i0 + r0 + r) * ldo + n0 + s * SUB;
+                if (width == SUB) _mm256_storeu_ps(o, y[r]);
+                else {
+                    _Alignas(32) float tmp[SUB];
+                    _mm256_store_ps(tmp, y[r]);
+                    memcpy(o, tmp, sizeof(float) * (size_t)width);
+                }
+            }
+        }
     }
 }
 
@@ -231,8 +271,8 @@ void k_gemm_i8(const QuantizedRows *xq, const BlockWeight *w, float *out, int64_
     const int64_t groups = (N + NGI - 1) / NGI;
 #pragma omp parallel
     {
-        KGroup u = {aligned_alloc(32, (size_t)(NGI * nb * 32)), aligned_alloc(32, sizeof(int16_t) * (size_t)(NGI * nb * 16)),
-                    malloc(sizeof(float) * (size_t)(NGI * nb / 8)), malloc(sizeof(float) * (size_t)(NGI * nb / 8)),
+        KGroup u = {aligned_alloc(32, (size_t)(NGI * nb * 32)), aligned_alloc(32, sizeof(int16_t) * (size_t)(NGI * nb * 4)),
+                    aligned_alloc(32, sizeof(float) * (size_t)(NGI * nb / 8)), aligned_alloc(32, sizeof(float) * (size_t)(NGI * nb / 8)),
                     aligned_alloc(32, sizeof(float) * (size_t)(NGI * nb * 2))};
 #pragma omp for schedule(dynamic, 2)
         for (int64_t g = 0; g < groups; g++) {
