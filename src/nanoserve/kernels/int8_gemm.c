@@ -99,7 +99,7 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int6
 NS_ALWAYS_INLINE void unpack_group(int t, const BlockWeight *w, int64_t n0, int64_t cols, int64_t nb, uint8_t *wu,
                                    uint8_t *wa, float *dv, float *mt) {
     const int64_t sets = (cols + SUB - 1) / SUB;
-    memset(mt, 0, sizeof(float) * (size_t)(nb * NGI));
+    if (cols < NGI) memset(mt, 0, sizeof(float) * (size_t)(nb * NGI)); /* else decode32 writes every minimum */
     for (int64_t g = 0; g < sets; g++) {
         const uint8_t *rows[SUB];
         const int64_t live = cols - g * SUB < SUB ? cols - g * SUB : SUB;
@@ -149,6 +149,23 @@ NS_ALWAYS_INLINE void tile_partials(int t, const int8_t *qp, const float *const 
             const int8_t *xb = qp + b * TR * 32;
             __m256i tot[TR];
             for (int r = 0; r < TR; r++) tot[r] = _mm256_setzero_si256();
+            if (W == 4) /* one row of x at a time: TR rows' int16 and int32 sums would not stay in registers */
+                for (int r = 0; r < TR; r++)
+                    for (int k0 = 0; k0 < 8; k0 += W) {
+                        __m256i h = _mm256_setzero_si256();
+                        for (int k = k0; k < k0 + W; k++) {
+                            int32_t x4;
+                            memcpy(&x4, xb + r * 32 + k * 4, 4);
+                            const __m256i wv = _mm256_load_si256((const __m256i *)(wu + (b * 8 + k) * 32));
+                            const __m256i xv = _mm256_set1_epi32(x4);
+                            const __m256i p = TYPE_SIGNED(t) ? _mm256_maddubs_epi16(_mm256_load_si256((const __m256i *)(wa + (b * 8 + k) * 32)),
+                                                                                    _mm256_sign_epi8(xv, wv))
+                                                             : _mm256_maddubs_epi16(wv, xv);
+                            h = k == k0 ? p : _mm256_add_epi16(h, p);
+                        }
+                        tot[r] = _mm256_add_epi32(tot[r], _mm256_madd_epi16(h, ones));
+                    }
+            else
             for (int k0 = 0; k0 < 8; k0 += W) {
                 __m256i h[TR];
                 for (int k = k0; k < k0 + W; k++) {
