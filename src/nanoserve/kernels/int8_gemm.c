@@ -70,7 +70,7 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int6
             o->sx[i * nbx + b] = (float)s;
             if (i >= M || rmax == 0.0f) {
                 memset(q, 0, 32);
-                o->sum[i * nb + b] = o->ssum[i * nb + b] = 0.0f;
+                o->sum[i * nb + b] = 0.0f;
                 o->qsum16[(i * nb + b) * 2] = o->qsum16[(i * nb + b) * 2 + 1] = 0.0f;
                 continue;
             }
@@ -85,8 +85,7 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int6
             const int32_t lo = hsum_epi32(_mm256_add_epi32(w[0], w[1])), hi = hsum_epi32(_mm256_add_epi32(w[2], w[3]));
             o->qsum16[(i * nb + b) * 2] = (float)lo;
             o->qsum16[(i * nb + b) * 2 + 1] = (float)hi;
-            o->ssum[i * nb + b] = (float)(lo + hi) * (float)s;
-            o->sum[i * nb + b] = o->ssum[i * nb + b] * dx;
+            o->sum[i * nb + b] = (float)(lo + hi) * (float)s * dx;
         }
     }
     free(amax);
@@ -373,7 +372,7 @@ void weight_gemm_i8(const float *x, const BlockWeight *w, float *out, int64_t M,
     const int64_t K = w->k, nb = K / 32, Mp = (M + TR - 1) / TR * TR;
     QuantizedRows xq = {aligned_alloc(32, (size_t)(Mp * K)), aligned_alloc(32, sizeof(int16_t) * (size_t)(Mp * nb * 16)),
                         malloc(sizeof(float) * (size_t)Mp), calloc((size_t)(Mp * nb + 8), sizeof(float)),
-                        malloc(sizeof(float) * (size_t)(Mp * nb)), malloc(sizeof(float) * (size_t)(Mp * nb * 2)),
+                        malloc(sizeof(float) * (size_t)(Mp * nb * 2)),
                         malloc(sizeof(float) * (size_t)(Mp * xs_blocks(nb)))};
     const int k_type = TYPE_IS_K(w->type);
     quantize_rows(x, M, Mp, K, k_type ? K_GROUP_BLOCKS : 1, &xq);
@@ -388,7 +387,6 @@ void weight_gemm_i8(const float *x, const BlockWeight *w, float *out, int64_t M,
     free(xq.s);
     free(xq.dx);
     free(xq.sum);
-    free(xq.ssum);
     free(xq.qsum16);
     free(xq.sx);
 }

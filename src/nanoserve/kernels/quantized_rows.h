@@ -15,15 +15,16 @@
 /* Block b of row i is x ~= dx[i] * s * q with q in -127..127 and s an integer in 1..32767, so a block's
  * scale is nearly as fine as a float's. Rows in panels of TR: q as [panel][block][row][32], s as
  * [panel][block][row][16] (one vector, for the K types' vpmaddwd) and as a float per [row][block] (sx,
- * each row padded with zeros to a multiple of 8 blocks: XS_BLOCKS), and per [row][block] the block's
- * sum of q times s (ssum) and that times dx (sum), for the weights' minimum terms; per [row][half-block]
- * the sum of q alone over each 16 values (qsum16, for the K types' minimum and offset terms). Rows past
- * M are zero. For the K types s is one per super-block of K_GROUP_BLOCKS blocks (llama.cpp's Q8_K: one
- * scale per 256 values), so that their products add integers over a whole super-block (k_quant_i8.c). */
+ * each row padded with zeros to a multiple of 8 blocks: xs_blocks), per [row][block] the block's sum of
+ * q times s times dx (sum, for the weights' minimum terms; 8 zeros past its end), and per
+ * [row][half-block] the sum of q alone over each 16 values (qsum16, for the K types' minimum and offset
+ * terms). Rows past M are zero. For the K types s is one per super-block of K_GROUP_BLOCKS blocks
+ * (llama.cpp's Q8_K: one scale per 256 values), so that their products add integers over a whole
+ * super-block (k_quant_i8.c). */
 typedef struct {
     int8_t *q;
     int16_t *s;
-    float *dx, *sum, *ssum, *qsum16, *sx;
+    float *dx, *sum, *qsum16, *sx;
 } QuantizedRows;
 
 /* Blocks per row of sx: nb rounded up to a multiple of 8 (the streaming kernels read 8 blocks at a time). */
