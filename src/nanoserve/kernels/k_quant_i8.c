@@ -114,6 +114,7 @@ NS_ALWAYS_INLINE void k_stream_row(int t, const QuantizedRows *xq, const uint8_t
                 const int64_t off = quantized_row_offset(i0 + i, nb) + (8 * g + j) * TR;
                 const __m256i xv = _mm256_load_si256((const __m256i *)(xq->q + off * 32));
                 isum[i] = _mm256_add_epi32(isum[i], k_dot(w, xv, ks.sc[j]));
+                NS_KEEP_IN_REGISTER(isum[i]);
             }
         }
         for (int64_t i = 0; i < M; i++) {
@@ -207,10 +208,13 @@ NS_ALWAYS_INLINE void k_tile(int t, const QuantizedRows *xq, const int8_t *qp, i
                         memcpy(&x4, xb + r * 32 + k * 4, 4);
                         const __m256i p = _mm256_maddubs_epi16(wv, _mm256_set1_epi32(x4));
                         h[r] = k == k0 ? p : _mm256_add_epi16(h[r], p);
+                        if (W > 2) NS_KEEP_IN_REGISTER(h[r]); /* a chain per row: see int8_gemm.c's tile_partials */
                     }
                 }
                 const __m256i sc = _mm256_load_si256((const __m256i *)(u->sc + sg * 256 + (2 * j + k0 / 4) * 16));
-                for (int r = 0; r < TR; r++) tot[r] = _mm256_add_epi32(tot[r], _mm256_madd_epi16(h[r], sc));
+                for (int r = 0; r < TR; r++) {
+                    tot[r] = _mm256_add_epi32(tot[r], _mm256_madd_epi16(h[r], sc));
+                }
             }
         }
         const __m256 d = _mm256_load_ps(u->d + sg * SUB), dmin = _mm256_load_ps(u->dmin + sg * SUB);
