@@ -150,28 +150,13 @@ NS_ALWAYS_INLINE void tile_partials(int t, const int8_t *qp, const float *const 
             const int8_t *xb = qp + b * TR * 32;
             __m256i tot[TR];
             for (int r = 0; r < TR; r++) tot[r] = _mm256_setzero_si256();
-            if (W == 1) /* 8-bit codes: each step's pair sums widened at once, TR rows side by side */
 #pragma GCC unroll 8
-                for (int k = 0; k < 8; k++) {
-                    const __m256i wv = _mm256_load_si256((const __m256i *)(wu + (b * 8 + k) * 32));
-                    const __m256i av = TYPE_SIGNED(t) ? _mm256_load_si256((const __m256i *)(wa + (b * 8 + k) * 32)) : wv;
-#pragma GCC unroll 4
-                    for (int r = 0; r < TR; r++) {
-                        int32_t x4;
-                        memcpy(&x4, xb + r * 32 + k * 4, 4);
-                        const __m256i xv = _mm256_set1_epi32(x4);
-                        const __m256i p = TYPE_SIGNED(t) ? _mm256_maddubs_epi16(av, _mm256_sign_epi8(xv, wv))
-                                                         : _mm256_maddubs_epi16(wv, xv);
-                        tot[r] = _mm256_add_epi32(tot[r], _mm256_madd_epi16(p, ones));
-                        NS_KEEP_IN_REGISTER(tot[r]);
-                    }
-                }
-            else
             for (int k0 = 0; k0 < 8; k0 += W) {
                 __m256i h[TR];
                 for (int k = k0; k < k0 + W; k++) {
                     const __m256i wv = _mm256_load_si256((const __m256i *)(wu + (b * 8 + k) * 32));
                     const __m256i av = TYPE_SIGNED(t) ? _mm256_load_si256((const __m256i *)(wa + (b * 8 + k) * 32)) : wv;
+#pragma GCC unroll 4
                     for (int r = 0; r < TR; r++) {
                         int32_t x4;
                         memcpy(&x4, xb + r * 32 + k * 4, 4);
@@ -182,7 +167,10 @@ NS_ALWAYS_INLINE void tile_partials(int t, const int8_t *qp, const float *const 
                         NS_KEEP_IN_REGISTER(h[r]);
                     }
                 }
-                for (int r = 0; r < TR; r++) tot[r] = _mm256_add_epi32(tot[r], _mm256_madd_epi16(h[r], ones));
+                for (int r = 0; r < TR; r++) {
+                    tot[r] = _mm256_add_epi32(tot[r], _mm256_madd_epi16(h[r], ones));
+                    if (W == 1) NS_KEEP_IN_REGISTER(tot[r]); /* 8-bit codes: 8 widenings a block */
+                }
             }
             const __m256 d = _mm256_load_ps(dv + b * SUB);
             for (int r = 0; r < TR; r++)
