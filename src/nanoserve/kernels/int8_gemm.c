@@ -103,17 +103,18 @@ NS_ALWAYS_INLINE void unpack_group(int t, const BlockWeight *w, int64_t n0, int6
         const uint8_t *rows[SUB];
         const int64_t live = cols - g * SUB < SUB ? cols - g * SUB : SUB;
         for (int n = 0; n < SUB; n++) rows[n] = n < live ? (const uint8_t *)w->data + (n0 + g * SUB + n) * w->row_bytes : NULL;
+        prefetch_next_rows(w, n0 + (g + 1) * SUB, SUB);
         for (int64_t b = 0; b < nb; b++) {
             __m256i q[SUB], steps[8];
-            for (int n = 0; n < SUB; n++) {
+            for (int n = 0; n < SUB; n++) { /* each set as it is decoded: an initialized array costs a rep stos */
                 float d = 0.0f;
-                q[n] = _mm256_setzero_si256();
                 if (rows[n]) {
                     const Sub32 s = decode32(t, rows[n], b);
                     q[n] = s.q;
                     d = s.s0;
                     mt[b * NGI + g * SUB + n] = s.m;
-                }
+                } else
+                    q[n] = _mm256_setzero_si256();
                 dv[(g * nb + b) * SUB + n] = d;
             }
             transpose8x32(q, steps);
