@@ -81,18 +81,6 @@ static inline void transpose8x32(const __m256i *in, __m256i *out) {
                              * the interleaved GEMM took 1.0-2.5x the streaming time (Q4_1 1.0-1.35x,
                              * Q5_0 2.0-2.5x, Q8_0 1.4-1.9x); at 16 it is faster */
 
-/* The GEMMs' unpack: ask for weight rows first .. first + count - 1 (clipped to the matrix) before they
- * are decoded. Rows are contiguous, and a row of a few hundred bytes ends before the hardware prefetcher
- * follows it. Called one set of rows ahead (past a group's last set: the rows after it, which the thread
- * takes next under schedule(dynamic, 2)). Measured 2026-12-04, offline c=32-like load on SmolLM2
- * Q4_K_M (mostly Q5_0 rows of 396 bytes): 378-396 -> 445-450 output tok/s, alternated twice; Q8_0 and
- * the K types' GEMM (the 1.1B file's rows of 1152+ bytes) no faster, so the K GEMM does without. */
-static inline void prefetch_next_rows(const BlockWeight *w, int64_t first, int64_t count) {
-    const int64_t rows = w->n - first < count ? w->n - first : count;
-    for (int64_t off = 0; off < rows * w->row_bytes; off += 64)
-        _mm_prefetch((const char *)w->data + first * w->row_bytes + off, _MM_HINT_T0);
-}
-
 /* out = dx * (the integer part's lanes summed) + (the minimum term): one function for every int8 kernel. */
 static inline float finish(float dx, __m256 acc, float m_term) {
     return dx * hsum256(acc) + m_term;
