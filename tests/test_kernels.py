@@ -214,3 +214,14 @@ def test_bench_kernels_measures_each_type(capsys):
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| Q") or line.startswith("| F")]
     assert [line.split("|")[1:3] for line in lines] == [[f" {t} ", f" {r} "] for t in ("Q4_K", "Q8_0", "F16")
                                                          for r in (1, 3)]
+
+
+@requires_kernels
+def test_bench_kernels_times_decode_attention(capsys):
+    """`nanoserve bench kernels --attention` (a small cache here): one line with the time per layer."""
+    from nanoserve.bench import kernels
+
+    kernels.main(["--attention", "8,2,64", "--batch", "3", "--ctx", "40", "--layers", "2", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert "decode attention, 8 heads / 2 KV heads x 64, 3 rows of ~40 positions" in out
+    assert float(out.split(" us per layer")[0].rsplit(" ", 1)[1]) > 0

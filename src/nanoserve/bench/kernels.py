@@ -2,7 +2,8 @@
 (int8 activations on block types, float32 on F16/BF16/F32), for decode steps and a prompt, on weights
 larger than the L3 cache as a model's are; the weights' bytes read per second against the machine's read
 bandwidth, measured in the same run (a float32 sum over as many bytes), and multiply-adds per second (the
-measure for prompt-sized steps, which are bound by compute)."""
+measure for prompt-sized steps, which are bound by compute). `--attention` times the paged decode attention
+instead, on a float16 cache of as many layers as a model's."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +14,7 @@ import torch
 
 from nanoserve.kernels.backend import CKernelBackend, select_backend
 from nanoserve.kernels.quant import FLOAT_TYPES, QuantWeight, from_float, random_blocks
+from nanoserve.model.layers import KVCache
 
 DEFAULT_TYPES = "Q4_0,Q4_1,Q5_0,Q8_0,Q4_K,Q5_K,Q6_K,F16,BF16"
 
@@ -35,6 +37,39 @@ def best_time(fn, repeats: int, rounds: int = 5) -> float:
     return best
 
 
+def bench_attention(backend: CKernelBackend, shape: str, batch: int, ctx: int, layers: int, repeats: int,
+                    block_size: int = 16) -> None:
+    """Decode attention of `batch` rows of ~ctx positions each (the last row ctx - 2 (batch - 1)), one call
+    per layer over `layers` float16 caches (each call reads its layer's keys and values from memory, as in
+    a model step), the slots in blocks of block_size in random order as the block manager hands them out."""
+    heads, kv_heads, head_dim = (int(v) for v in shape.split(","))
+    g = torch.Generator().manual_seed(0)
+    blocks_per_row = -(-ctx // block_size)
+    num_slots = batch * (blocks_per_row + 1) * block_size
+    caches = []
+    for _ in range(layers):
+        cache = KVCache(kv_heads, num_slots, head_dim, torch.float16)
+        cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+        cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+        caches.append(cache)
+    blocks = torch.randperm(num_slots // block_size, generator=g)[: batch * blocks_per_row]
+    slots = (blocks.view(batch, -1, 1) * block_size + torch.arange(block_size)).view(batch, -1)
+    ctx_lens = torch.full((batch,), ctx, dtype=torch.int64) - 2 * torch.arange(batch)
+    q = torch.randn(batch, heads, head_dim, generator=g)
+
+    def step():
+        for cache in caches:
+            backend.decode_attention(q, cache, slots, ctx_lens, head_dim ** -0.5)
+
+    t = best_time(step, repeats) / layers
+    positions = int(ctx_lens.sum())
+    kv_bytes = positions * kv_heads * head_dim * 2 * 2  # keys and values, float16
+    macs = positions * heads * head_dim * 2  # scores and the weighted sum of values
+    print(f"decode attention, {heads} heads / {kv_heads} KV heads x {head_dim}, {batch} rows of ~{ctx} positions, "
+          f"float16 cache, {layers} layers: {t * 1e6:.1f} us per layer, KV read {kv_bytes / t / 1e9:.1f} GB/s, "
+          f"{macs / t / 1e9:.1f} G multiply-adds/s")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="nanoserve bench kernels", description=__doc__)
     ap.add_argument("--types", default=DEFAULT_TYPES, help="comma-separated GGUF types")
@@ -44,10 +79,18 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--num-threads", type=int, default=2)
     ap.add_argument("--json", action="store_true", help="one JSON line per measurement")
+    ap.add_argument("--attention", metavar="HEADS,KV_HEADS,HEAD_DIM",
+                    help="time the decode attention of this shape instead (SmolLM2: 9,3,64; TinyLlama: 32,4,64)")
+    ap.add_argument("--batch", type=int, default=32, help="--attention: rows (sequences) per call")
+    ap.add_argument("--ctx", type=int, default=160, help="--attention: positions each row attends to")
+    ap.add_argument("--layers", type=int, default=30, help="--attention: layers (caches) cycled through")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.num_threads)
     backend = select_backend("c", args.num_threads)
     assert isinstance(backend, CKernelBackend)
+    if args.attention:
+        bench_attention(backend, args.attention, args.batch, args.ctx, args.layers, args.repeats)
+        return
     probe = torch.empty(args.n * args.k // 2, dtype=torch.float32).uniform_()  # 2 bytes per weight
     bandwidth = probe.numel() * 4 / best_time(lambda: probe.sum(), args.repeats)
     del probe
