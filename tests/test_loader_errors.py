@@ -53,7 +53,7 @@ def _tiny_gguf(path, arch="llama", qtype=None):
     w.add_vocab_size(16)
     if qtype is None:
         w.add_tensor("token_embd.weight", np.zeros((16, 32), dtype=np.float32))
-    else:  # one block of 32 weights per row in the given quantized format
+    else:  # one block per row in the given quantized format
         nbytes = gguf.GGML_QUANT_SIZES[qtype][1]
         w.add_tensor("token_embd.weight", np.zeros((16, nbytes), dtype=np.uint8), raw_dtype=qtype)
     w.write_header_to_file()
@@ -72,10 +72,10 @@ def test_unsupported_gguf_architecture(tmp_path):
 def test_unsupported_quantization_type(tmp_path):
     import gguf
 
-    path = tmp_path / "q2k.gguf"
-    _tiny_gguf(path, qtype=gguf.GGMLQuantizationType.Q2_K)
+    path = tmp_path / "iq2_xxs.gguf"
+    _tiny_gguf(path, qtype=gguf.GGMLQuantizationType.IQ2_XXS)
     msg = _error(path)
-    assert "tensor token_embd.weight has type Q2_K, which nanoserve does not run" in msg
+    assert "tensor token_embd.weight has type IQ2_XXS, which nanoserve does not run" in msg
 
 
 def test_gguf_missing_weights(tmp_path):

@@ -104,7 +104,7 @@ def test_gguf_greedy_tokens_equal_transformers_generate(tiny_files, arch, qtype)
 # SmolLM2 requantized as a user's file would be. Its hidden size (576) is not a multiple of 256, so in a
 # K-type file only ffn_down (rows of 1536) is K blocks and the rest takes llama-quantize's fallback type.
 # The tied embedding/output matrix keeps its Q8_0 blocks, as llama-quantize keeps it at higher precision.
-QUANT_FILES = ["Q8_0", "Q5_1", "Q4_0", "Q4_K", "Q5_K", "Q6_K"]
+QUANT_FILES = ["Q8_0", "Q5_1", "Q4_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +153,9 @@ def test_quantized_file_perplexity_against_float32_of_the_same_weights(smollm_fi
     kinds = {t for _, t in _weight_types(exact.runner.model)}
     assert qtype in kinds and "F32" not in kinds
     ref = _perplexity(RunnerDriver(path, dtype="float32", num_blocks=128), seqs)
-    assert ref < 40  # the requantized model still reads English
+    # the requantized model still reads English (2-bit Q2_K ffn_down, which llama-quantize's Q2_K files
+    # avoid by writing it as Q3_K, costs a 135M model most of its sense: 152, where every other type stays under 40)
+    assert ref < (200 if qtype == "Q2_K" else 40)
     assert abs(_perplexity(exact, seqs) / ref - 1) < 0.005
     int8 = _perplexity(RunnerDriver("", model=exact.runner.model, num_blocks=128, kv_dtype=torch.float16,
                                     int8_activations=True), seqs)

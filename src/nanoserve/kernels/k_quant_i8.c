@@ -1,4 +1,4 @@
-/* x W^T for W of a K type (Q4_K, Q5_K, Q6_K), x quantized to 8 bits with one scale per super-block of
+/* x W^T for W of a K type (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), x quantized to 8 bits with one scale per super-block of
  * 256 (quantized_rows.h, as llama.cpp's Q8_K): within a super-block every product is an integer, so the
  * sub-blocks' scales multiply in vpmaddwd and the sums add as integers (exact); one float multiply-add
  * per super-block then applies d (the weights') times x's scale. Decode steps stream the weights; more
@@ -19,11 +19,11 @@
 #include "vec_math.h"
 
 /* One super-block's scales as its integer products need them. Every type's codes are unsigned (Q6_K's
- * stored 0..63, its offset of 32 taken as a minimum), so each sub-block is one vpmaddubsw and one
- * vpmaddwd by its multipliers sc[j]: 16 int16, Q4_K / Q5_K's six-bit scale in every lane, Q6_K the
- * scale of weights 0..15 in lanes 0-7 and of 16..31 in 8-15 (the layout of vpmaddubsw's pair sums).
- * mn: the minimum of each 16 weights, as 16 floats (Q4_K / Q5_K: the sub-block's minimum twice; Q6_K:
- * its scales, with dmin = 32 d). No sum overflows: a sub-block's int32 lane is at most
+ * stored 0..63, its offset of 32 taken as a minimum; Q3_K's 0..7, offset 4), so each sub-block is one
+ * vpmaddubsw and one vpmaddwd by its multipliers sc[j]: 16 int16, Q4_K / Q5_K's six-bit scale in every
+ * lane, Q2_K / Q3_K / Q6_K the scale of weights 0..15 in lanes 0-7 and of 16..31 in 8-15 (the layout of
+ * vpmaddubsw's pair sums). mn: the minimum of each 16 weights, as 16 floats (Q4_K / Q5_K: the sub-block's
+ * minimum twice; Q2_K: its four-bit minimums; Q3_K / Q6_K: their scales, with dmin = 4 d / 32 d). No sum overflows: a sub-block's int32 lane is at most
  * 4 * 63 * 127 * 128 (Q6_K), a super-block's eight times that. */
 typedef struct {
     __m256i sc[8];
@@ -32,8 +32,14 @@ typedef struct {
 } KIntScales;
 
 NS_ALWAYS_INLINE void k_int_scales(int t, const uint8_t *p, KIntScales *ks) {
-    if (t == T_Q6_K) {
-        const __m128i sc = _mm_loadu_si128((const __m128i *)(p + 192));
+    if (t == T_Q2_K || t == T_Q3_K || t == T_Q6_K) {
+        /* 16 scales as int8, one per 16 weights (Q2_K: the low nibbles of its scale bytes; Q3_K: six bits
+         * less 32), and what the minimum term multiplies x's sums per 16 by, with dmin: Q2_K its high
+         * nibbles and dmin, Q3_K the scales and 4 d (its codes' offset of 4), Q6_K the scales and 32 d */
+        __m128i sc;
+        if (t == T_Q6_K) sc = _mm_loadu_si128((const __m128i *)(p + 192));
+        else if (t == T_Q2_K) sc = _mm_and_si128(_mm_loadu_si128((const __m128i *)p), _mm_set1_epi8(0x0F));
+        else sc = q3_k_scales(p + 96);
         /* the 16 scales as int16, pairs (2j, 2j + 1) in 32-bit lane j; lane j to every 32-bit lane, then
          * the low half takes the pair's first int16 and the high half its second */
         const __m256i all = _mm256_cvtepi8_epi16(sc);
@@ -41,10 +47,12 @@ NS_ALWAYS_INLINE void k_int_scales(int t, const uint8_t *p, KIntScales *ks) {
                                                0x03020302, 0x03020302);
         for (int j = 0; j < 8; j++)
             ks->sc[j] = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(all, _mm256_set1_epi32(j)), pick);
-        ks->mn[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc));
-        ks->mn[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)));
-        ks->d = f16_at(p + 208);
-        ks->dmin = 32.0f * ks->d;
+        const __m128i mn = t == T_Q2_K ? _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)p), 4),
+                                                       _mm_set1_epi8(0x0F)) : sc;
+        ks->mn[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(mn));
+        ks->mn[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(mn, 8)));
+        ks->d = f16_at(p + (t == T_Q6_K ? 208 : t == T_Q3_K ? 108 : 80));
+        ks->dmin = t == T_Q6_K ? 32.0f * ks->d : t == T_Q3_K ? 4.0f * ks->d : f16_at(p + 82);
         return;
     }
     /* the 12 bytes of six-bit scales and minimums (k_scale_min), four at a time */
@@ -66,7 +74,7 @@ NS_ALWAYS_INLINE void k_int_scales(int t, const uint8_t *p, KIntScales *ks) {
 /* The codes of sub-block j, unsigned (see KIntScales), and their integer products with x's codes times
  * the sub-block's multipliers. */
 NS_ALWAYS_INLINE __m256i k_unsigned_codes(int t, const uint8_t *p, int j) {
-    return t == T_Q6_K ? q6_k_unsigned_codes(p, j) : k_codes(t, p, j);
+    return t == T_Q6_K ? q6_k_unsigned_codes(p, j) : t == T_Q3_K ? q3_k_unsigned_codes(p, j) : k_codes(t, p, j);
 }
 
 NS_ALWAYS_INLINE __m256i k_dot(__m256i w, __m256i xv, __m256i sc) {
@@ -129,8 +137,9 @@ NS_ALWAYS_INLINE void k_stream_row(int t, const QuantizedRows *xq, const uint8_t
 #define NGI 16 /* weight rows unpacked per group: a multiple of SUB */
 
 /* Steps (4 weights of each row) whose vpmaddubsw pair sums one int16 lane holds before vpmaddwd applies
- * the sub-block's scale: 8 of 4-bit codes (16 * 15 * 127 < 32767), 4 of 5-bit, 2 of 6-bit (4 * 63 * 127). */
-#define K_WIDEN_STEPS(t) ((t) == T_Q4_K ? 8 : (t) == T_Q5_K ? 4 : 2)
+ * the sub-block's scale: 8 of 4-bit codes (16 * 15 * 127 < 32767), 4 of 5-bit, 2 of 6-bit (4 * 63 * 127);
+ * at most 4 (16 weights) where the scale changes every 16 weights: Q2_K's and Q3_K's 2- and 3-bit codes. */
+#define K_WIDEN_STEPS(t) ((t) == T_Q4_K ? 8 : (t) == T_Q5_K || (t) == T_Q2_K || (t) == T_Q3_K ? 4 : 2)
 
 /* A group's weight rows ready for the tiles, in sets of SUB rows side by side (per set and super-block):
  * codes [sub-block][step 0..7][row 0..7][4 bytes] (256 bytes a sub-block), vpmaddwd multipliers
@@ -266,7 +275,8 @@ void k_gemm_i8(const QuantizedRows *xq, const BlockWeight *w, float *out, int64_
         out += i0 * ldo;
         switch (w->type) {
 #define ROW(T, xq, rowp, o, ldo, m, nb) k_stream_row(T, xq, rowp, o, ldo, i0, m, nb)
-            STREAM_ROWS_CASE(T_Q4_K, ROW) STREAM_ROWS_CASE(T_Q5_K, ROW) STREAM_ROWS_CASE(T_Q6_K, ROW)
+            STREAM_ROWS_CASE(T_Q2_K, ROW) STREAM_ROWS_CASE(T_Q3_K, ROW) STREAM_ROWS_CASE(T_Q4_K, ROW)
+            STREAM_ROWS_CASE(T_Q5_K, ROW) STREAM_ROWS_CASE(T_Q6_K, ROW)
 #undef ROW
         default: break;
         }
@@ -282,6 +292,8 @@ void k_gemm_i8(const QuantizedRows *xq, const BlockWeight *w, float *out, int64_
         for (int64_t g = 0; g < groups; g++) {
             const int64_t n0 = g * NGI, cols = N - n0 < NGI ? N - n0 : NGI;
             switch (w->type) {
+            case T_Q2_K: k_gemm_group(T_Q2_K, xq, w, out, ldo, i0, M, nb, n0, cols, u); break;
+            case T_Q3_K: k_gemm_group(T_Q3_K, xq, w, out, ldo, i0, M, nb, n0, cols, u); break;
             case T_Q4_K: k_gemm_group(T_Q4_K, xq, w, out, ldo, i0, M, nb, n0, cols, u); break;
             case T_Q5_K: k_gemm_group(T_Q5_K, xq, w, out, ldo, i0, M, nb, n0, cols, u); break;
             case T_Q6_K: k_gemm_group(T_Q6_K, xq, w, out, ldo, i0, M, nb, n0, cols, u); break;

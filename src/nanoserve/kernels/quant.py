@@ -14,15 +14,16 @@ import torch
 GGML_TYPES = {
     "F32": (0, 1, 4), "F16": (1, 1, 2), "BF16": (30, 1, 2),
     "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
-    "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210), "IQ4_NL": (20, 32, 18),
+    "Q2_K": (10, 256, 84), "Q3_K": (11, 256, 110), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210), "IQ4_NL": (20, 32, 18),
 }
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 BLOCK_TYPES = tuple(t for t in GGML_TYPES if t not in FLOAT_TYPES)
 # --quantization: the types a float matrix can be quantized to on load (gguf-py's quantizers for the
 # 32-weight blocks, kernels/k_quant.py for the K types).
-QUANTIZATIONS = ("q8_0", "q6_k", "q5_k", "q5_1", "q5_0", "q4_k", "q4_1", "q4_0")
-# A K type needs rows of a multiple of 256 weights; other rows take the type llama-quantize gives them.
-K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+QUANTIZATIONS = ("q8_0", "q6_k", "q5_k", "q5_1", "q5_0", "q4_k", "q4_1", "q4_0", "q3_k", "q2_k")
+# A K type needs rows of a multiple of 256 weights; other rows take the type llama-quantize gives them
+# (llama-cpp-python 0.3.36's llama.cpp: Q4_0 for Q2_K and Q3_K).
+K_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 K_TYPES = tuple(K_FALLBACK)  # super-blocks of 256
 
 
@@ -157,6 +158,43 @@ def _q5_k(b):
     return (d * q.float() - dm).reshape(b.shape[0], 256)
 
 
+def _shifted(b: torch.Tensor, shifts: list[int]) -> torch.Tensor:
+    """(B, n) bytes -> (B, len(shifts), n): each byte shifted right by each amount."""
+    return b.unsqueeze(1) >> torch.tensor(shifts, dtype=torch.uint8).view(1, -1, 1)
+
+
+def _two_bits(qs: torch.Tensor) -> torch.Tensor:
+    """Q2_K / Q3_K's 64 bytes of 2-bit codes -> (B, 16, 16): sub-block 4 h + s takes bits 2 s of bytes
+    32 h .. 32 h + 31."""
+    n = qs.shape[0]
+    return (_shifted(qs.reshape(n * 2, 32), [0, 2, 4, 6]) & 3).reshape(n, 16, 16)
+
+
+def _q2_k(b):
+    n = b.shape[0]
+    scales = b[:, :16]
+    dl = (_f16(b[:, 80:82]) * (scales & 15).float()).unsqueeze(-1)  # (B, 16, 1)
+    ml = (_f16(b[:, 82:84]) * (scales >> 4).float()).unsqueeze(-1)
+    return (dl * _two_bits(b[:, 16:80]).float() - ml).reshape(n, 256)
+
+
+def q3_k_scales(s: torch.Tensor) -> torch.Tensor:
+    """Q3_K: 12 bytes -> (B, 16) scales in -32..31: four bits from bytes 0..7 (low nibbles, then high
+    ones), two from bytes 8..11."""
+    n = s.shape[0]
+    low = _shifted(s[:, :8], [0, 4]).reshape(n, 16) & 15
+    high = _shifted(s[:, 8:12], [0, 2, 4, 6]).reshape(n, 16) & 3
+    return (low | (high << 4)).to(torch.int16) - 32
+
+
+def _q3_k(b):
+    n = b.shape[0]
+    dl = (_f16(b[:, 108:110]) * q3_k_scales(b[:, 96:108]).float()).unsqueeze(-1)  # (B, 16, 1)
+    high = (_shifted(b[:, :32], list(range(8))) & 1).reshape(n, 16, 16)  # sub-block j: bit j of the mask
+    q = _two_bits(b[:, 32:96]).to(torch.int16) - ((high ^ 1) << 2).to(torch.int16)  # -4..3
+    return (dl * q.float()).reshape(n, 256)
+
+
 def _q6_k(b):
     n = b.shape[0]
     ql = b[:, :128].reshape(n, 2, 1, 64)
@@ -169,7 +207,7 @@ def _q6_k(b):
 
 
 _DEQUANTIZE = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0, "IQ4_NL": _iq4_nl,
-               "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+               "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
 
 
 def from_float(w: torch.Tensor, qtype: str) -> QuantWeight:
@@ -189,7 +227,7 @@ def from_float(w: torch.Tensor, qtype: str) -> QuantWeight:
 
 # Byte offsets of the float16 scales in each block type (the rest of a block is codes, any bytes valid).
 F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "IQ4_NL": (0,),
-              "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+              "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 def random_blocks(qtype: str, rows: int, k: int, seed: int = 0) -> QuantWeight:

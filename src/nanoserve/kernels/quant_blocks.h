@@ -1,6 +1,6 @@
 /* The weight types the products read, in their GGUF layouts (codes are the GGML enum values, as in
  * kernels/quant.py), and one decoder: decode32() turns any 32 consecutive weights of a block type into
- * 32 byte codes q and w[j] = (j < 16 ? s0 : s1) * q[j] + m, the values gguf-py's dequantize gives, bit for
+ * 32 byte codes q and w[j] = (j < 16 ? s0 q[j] + m : s1 q[j] + m1), the values gguf-py's dequantize gives, bit for
  * bit (each is one rounding of an exact product). q is unsigned (0..63) for the types with an offset or
  * a minimum and signed (-127..127) for the others (TYPE_SIGNED). Every kernel that reads weights is
  * written once over decode32() and instantiated per type (FOR_EACH_BLOCK_TYPE). */
@@ -18,6 +18,8 @@
 #define T_Q5_0 6
 #define T_Q5_1 7
 #define T_Q8_0 8
+#define T_Q2_K 10
+#define T_Q3_K 11
 #define T_Q4_K 12
 #define T_Q5_K 13
 #define T_Q6_K 14
@@ -33,13 +35,16 @@
 #define STREAM_PREFETCH_BYTES 4096
 
 /* The block types, for the switches that instantiate a kernel per type (X(type) per entry). */
-#define FOR_EACH_BLOCK_TYPE(X) X(T_Q4_0) X(T_Q4_1) X(T_Q5_0) X(T_Q5_1) X(T_Q8_0) X(T_Q4_K) X(T_Q5_K) X(T_Q6_K) X(T_IQ4_NL)
+#define FOR_EACH_BLOCK_TYPE(X) X(T_Q4_0) X(T_Q4_1) X(T_Q5_0) X(T_Q5_1) X(T_Q8_0) X(T_Q2_K) X(T_Q3_K) X(T_Q4_K) X(T_Q5_K) \
+    X(T_Q6_K) X(T_IQ4_NL)
 
 /* The 32-weight block types, without the K types' super-blocks (the int8 GEMM of int8_gemm.c). */
 #define FOR_EACH_BLOCK32_TYPE(X) X(T_Q4_0) X(T_Q4_1) X(T_Q5_0) X(T_Q5_1) X(T_Q8_0) X(T_IQ4_NL)
 
-#define TYPE_IS_K(t) ((t) == T_Q4_K || (t) == T_Q5_K || (t) == T_Q6_K)
-#define TYPE_SIGNED(t) ((t) == T_Q8_0 || (t) == T_Q6_K || (t) == T_IQ4_NL)
+#define TYPE_IS_K(t) ((t) == T_Q2_K || (t) == T_Q3_K || (t) == T_Q4_K || (t) == T_Q5_K || (t) == T_Q6_K)
+#define TYPE_SIGNED(t) ((t) == T_Q8_0 || (t) == T_Q3_K || (t) == T_Q6_K || (t) == T_IQ4_NL)
+/* The types whose scale changes every 16 weights (a Sub32's s0 and s1 differ). */
+#define TYPE_SCALE_PER_16(t) ((t) == T_Q2_K || (t) == T_Q3_K || (t) == T_Q6_K)
 #define TYPE_IS_FLOAT(t) ((t) == T_F32 || (t) == T_F16 || (t) == T_BF16)
 
 /* Bytes of one block of the type and the weights it holds (1 for the float types). */
@@ -52,6 +57,8 @@ static inline int64_t type_block_bytes(int64_t t) {
     case T_Q5_0: return 22;
     case T_Q5_1: return 24;
     case T_Q8_0: return 34;
+    case T_Q2_K: return 84;
+    case T_Q3_K: return 110;
     case T_Q4_K: return 144;
     case T_Q5_K: return 176;
     case T_Q6_K: return 210;
@@ -60,12 +67,12 @@ static inline int64_t type_block_bytes(int64_t t) {
 }
 
 static inline int64_t type_block_weights(int64_t t) {
-    return TYPE_IS_FLOAT(t) ? 1 : (t == T_Q4_K || t == T_Q5_K || t == T_Q6_K) ? 256 : 32;
+    return TYPE_IS_FLOAT(t) ? 1 : TYPE_IS_K(t) ? 256 : 32;
 }
 
 typedef struct {
-    __m256i q;       /* 32 codes, weight j in byte j */
-    float s0, s1, m; /* w[j] = (j < 16 ? s0 : s1) * q[j] + m */
+    __m256i q;           /* 32 codes, weight j in byte j */
+    float s0, s1, m, m1; /* w[j] = j < 16 ? s0 * q[j] + m : s1 * q[j] + m1 (m1 = m but on Q2_K) */
 } Sub32;
 
 static inline float f16_at(const uint8_t *p) {
@@ -114,10 +121,48 @@ NS_ALWAYS_INLINE __m256i q6_k_unsigned_codes(const uint8_t *p, int j) {
     return _mm256_or_si256(ql, qh);
 }
 
+/* Q2_K's codes of sub-block j (0..7), 0..3: two bits of each of 32 bytes (bytes 32 (j / 4) on, bits
+ * 2 (j % 4)); the weights are d * (scale & 15) * code - dmin * (scale >> 4), a scale byte per 16. */
+NS_ALWAYS_INLINE __m256i q2_k_codes(const uint8_t *p, int j) {
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(p + 16 + (j >> 2) * 32));
+    return _mm256_and_si256(_mm256_srli_epi16(q, 2 * (j & 3)), _mm256_set1_epi8(3));
+}
+
+/* Q3_K's codes of sub-block j (0..7), unsigned 0..7: the two bits Q2_K would hold, plus 4 where bit j of
+ * the high mask is set; the weights are d * scale * (code - 4). */
+NS_ALWAYS_INLINE __m256i q3_k_unsigned_codes(const uint8_t *p, int j) {
+    const __m256i low = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(p + 32 + (j >> 2) * 32)),
+                                                           2 * (j & 3)), _mm256_set1_epi8(3));
+    const __m256i bit = _mm256_set1_epi8((int8_t)(1 << j));
+    const __m256i high = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)p), bit), bit);
+    return _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(4)));
+}
+
+/* Q3_K's 16 scales of its 16-weight groups from its 12 scale bytes s, -32..31 as int8: scale i takes four
+ * bits from the low (i < 8) or high nibble of byte i % 8 and two from byte 8 + i % 4 at bit 2 (i / 4).
+ * Four scales per 32-bit word, as llama.cpp unpacks them. */
+NS_ALWAYS_INLINE __m128i q3_k_scales(const uint8_t *s) {
+    uint32_t w[3];
+    memcpy(w, s, 12);
+    const uint32_t low4 = 0x0F0F0F0F, low2 = 0x03030303;
+    const __m128i u = _mm_setr_epi32((int32_t)((w[0] & low4) | ((w[2] & low2) << 4)),
+                                     (int32_t)((w[1] & low4) | (((w[2] >> 2) & low2) << 4)),
+                                     (int32_t)(((w[0] >> 4) & low4) | (((w[2] >> 4) & low2) << 4)),
+                                     (int32_t)(((w[1] >> 4) & low4) | (((w[2] >> 6) & low2) << 4)));
+    return _mm_sub_epi8(u, _mm_set1_epi8(32));
+}
+
+/* Q3_K's scale i (0..15) alone, -32..31. */
+static inline int q3_k_scale(const uint8_t *s, int i) {
+    return (((s[i & 7] >> (4 * (i >> 3))) & 0x0F) | (((s[8 + (i & 3)] >> (2 * (i >> 2))) & 3) << 4)) - 32;
+}
+
 /* The 32 codes of sub-block j (0..7: weights 32 j .. 32 j + 31) of the K-type super-block at p: unsigned
- * 0..31 (Q4_K: 0..15) for Q4_K / Q5_K, signed -32..31 for Q6_K. */
+ * 0..31 (Q4_K: 0..15) for Q4_K / Q5_K, 0..3 for Q2_K, signed -32..31 for Q6_K and -4..3 for Q3_K. */
 NS_ALWAYS_INLINE __m256i k_codes(int t, const uint8_t *p, int j) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
+    if (t == T_Q2_K) return q2_k_codes(p, j);
+    if (t == T_Q3_K) return _mm256_sub_epi8(q3_k_unsigned_codes(p, j), _mm256_set1_epi8(4));
     if (t == T_Q6_K) return _mm256_sub_epi8(q6_k_unsigned_codes(p, j), _mm256_set1_epi8(32));
     __m256i q = _mm256_loadu_si256((const __m256i *)(p + (t == T_Q4_K ? 16 : 48) + (j >> 1) * 32));
     q = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(q, 4) : q, low4);
@@ -179,6 +224,27 @@ NS_ALWAYS_INLINE Sub32 decode32(int t, const uint8_t *row, int64_t b) {
         r.m = 0.0f;
         break;
     }
+    case T_Q2_K: {
+        const int j = (int)(b & 7);
+        const uint8_t *p = row + (b >> 3) * 84;
+        const float d = f16_at(p + 80), dmin = f16_at(p + 82);
+        r.q = k_codes(t, p, j);
+        r.s0 = d * (float)(p[2 * j] & 15);
+        r.s1 = d * (float)(p[2 * j + 1] & 15);
+        r.m = -(dmin * (float)(p[2 * j] >> 4));
+        r.m1 = -(dmin * (float)(p[2 * j + 1] >> 4));
+        return r;
+    }
+    case T_Q3_K: {
+        const int j = (int)(b & 7);
+        const uint8_t *p = row + (b >> 3) * 110;
+        const float d = f16_at(p + 108);
+        r.q = k_codes(t, p, j);
+        r.s0 = d * (float)q3_k_scale(p + 96, 2 * j);
+        r.s1 = d * (float)q3_k_scale(p + 96, 2 * j + 1);
+        r.m = 0.0f;
+        break;
+    }
     case T_Q4_K:
     case T_Q5_K: {
         const int j = (int)(b & 7);
@@ -205,6 +271,7 @@ NS_ALWAYS_INLINE Sub32 decode32(int t, const uint8_t *row, int64_t b) {
         r.q = _mm256_setzero_si256();
         r.s0 = r.s1 = r.m = 0.0f;
     }
+    r.m1 = r.m;
     return r;
 }
 

@@ -326,7 +326,13 @@ NS_INLINE void _mm_storeu_si128(__m128i *p, __m128i a) { memcpy(p, &a, 16); }
 NS_INLINE __m128i _mm_loadl_epi64(const __m128i *p) { __m128i r; memset(&r, 0, 16); memcpy(&r, p, 8); return r; }
 NS_INLINE __m128i _mm_set1_epi8(int8_t v) { __m128i r; NS_LANES(16) r.b[l] = v; return r; }
 NS_INLINE __m128i _mm_set1_epi16(int16_t v) { __m128i r; NS_LANES(8) r.h[l] = v; return r; }
+NS_INLINE __m128i _mm_setr_epi32(int32_t a, int32_t b, int32_t c, int32_t d) {
+    __m128i r;
+    r.i[0] = a, r.i[1] = b, r.i[2] = c, r.i[3] = d;
+    return r;
+}
 NS_INLINE __m128i _mm_and_si128(__m128i a, __m128i b) { NS_LANES(16) a.ub[l] &= b.ub[l]; return a; }
+NS_INLINE __m128i _mm_sub_epi8(__m128i a, __m128i b) { NS_LANES(16) a.ub[l] = (uint8_t)(a.ub[l] - b.ub[l]); return a; }
 NS_INLINE __m128i _mm_add_epi32(__m128i a, __m128i b) {
     NS_LANES(4) a.i[l] = (int32_t)((uint32_t)a.i[l] + (uint32_t)b.i[l]);
     return a;

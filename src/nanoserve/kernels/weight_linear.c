@@ -57,7 +57,7 @@ NS_ALWAYS_INLINE void stream_block_row(int t, const float *x, const uint8_t *row
             const __m256 s0 = _mm256_set1_ps(s.s0), s1 = _mm256_set1_ps(s.s1);
             for (int64_t r = 0; r < rows; r++) {
                 const float *xr = x + (i0 + r) * K + b * 32;
-                if (t == T_Q6_K) {
+                if (TYPE_SCALE_PER_16(t)) {
                     acc[r] = _mm256_fmadd_ps(s0, dot16(xr, q[0], q[1]), acc[r]);
                     acc[r] = _mm256_fmadd_ps(s1, dot16(xr + 16, q[2], q[3]), acc[r]);
                 } else {
@@ -65,7 +65,9 @@ NS_ALWAYS_INLINE void stream_block_row(int t, const float *x, const uint8_t *row
                                                      _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), q[2], dot16(xr, q[0], q[1])));
                     acc[r] = _mm256_fmadd_ps(s0, d, acc[r]);
                 }
-                if (!TYPE_SIGNED(t)) macc[r] += s.m * xsum[(i0 + r) * nb + b];
+                if (t == T_Q2_K) /* a minimum per 16 weights: xsum holds x's sums per 16 */
+                    macc[r] += s.m * xsum[((i0 + r) * nb + b) * 2] + s.m1 * xsum[((i0 + r) * nb + b) * 2 + 1];
+                else if (!TYPE_SIGNED(t)) macc[r] += s.m * xsum[(i0 + r) * nb + b];
             }
         }
         for (int64_t r = 0; r < rows; r++) out[(i0 + r) * ldo] = hsum256(acc[r]) + macc[r];
@@ -118,8 +120,13 @@ NS_ALWAYS_INLINE void stream_row(int t, const float *x, const uint8_t *row, floa
 void weight_stream_f32(const float *x, const BlockWeight *w, float *out, int64_t M, int64_t ldo) {
     const int64_t K = w->k, N = w->n, nb = K / 32, rb = w->row_bytes;
     const uint8_t *data = (const uint8_t *)w->data;
-    float *xsum = NULL; /* sum of x over each block, for the m term of block types */
-    if (!TYPE_IS_FLOAT(w->type)) {
+    /* sum of x over each block, for the m term of block types; Q2_K: over each 16 values (its minimums) */
+    float *xsum = NULL;
+    if (w->type == T_Q2_K) {
+        xsum = malloc(sizeof(float) * (size_t)(M * nb * 2));
+        for (int64_t i = 0; i < M * nb * 2; i++)
+            xsum[i] = hsum256(_mm256_add_ps(_mm256_loadu_ps(x + i * 16), _mm256_loadu_ps(x + i * 16 + 8)));
+    } else if (!TYPE_IS_FLOAT(w->type)) {
         xsum = malloc(sizeof(float) * (size_t)(M * nb));
         for (int64_t i = 0; i < M; i++)
             for (int64_t b = 0; b < nb; b++) {
@@ -158,9 +165,10 @@ NS_ALWAYS_INLINE void dequant_rows_type(int t, const BlockWeight *w, int64_t n0,
             const Sub32 s = decode32(t, row, b);
             __m256 q[4];
             codes_to_float(t, s.q, q);
-            const __m256 s0 = _mm256_set1_ps(s.s0), s1 = _mm256_set1_ps(s.s1), m = _mm256_set1_ps(s.m);
+            const __m256 s0 = _mm256_set1_ps(s.s0), s1 = _mm256_set1_ps(s.s1);
+            const __m256 m0 = _mm256_set1_ps(s.m), m1 = _mm256_set1_ps(s.m1);
             for (int c = 0; c < 4; c++) {
-                const __m256 sc = c < 2 ? s0 : s1;
+                const __m256 sc = c < 2 ? s0 : s1, m = c < 2 ? m0 : m1;
                 /* one rounding of the exact product (plus the minimum), as gguf-py computes it */
                 _mm256_storeu_ps(o + b * 32 + c * 8, TYPE_SIGNED(t) ? _mm256_mul_ps(q[c], sc) : _mm256_fmadd_ps(q[c], sc, m));
             }
