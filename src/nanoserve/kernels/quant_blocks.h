@@ -133,8 +133,9 @@ NS_ALWAYS_INLINE __m256i q2_k_codes(const uint8_t *p, int j) {
 NS_ALWAYS_INLINE __m256i q3_k_unsigned_codes(const uint8_t *p, int j) {
     const __m256i low = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(p + 32 + (j >> 2) * 32)),
                                                            2 * (j & 3)), _mm256_set1_epi8(3));
-    const __m256i bit = _mm256_set1_epi8((int8_t)(1 << j));
-    const __m256i high = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)p), bit), bit);
+    /* bit j of each mask byte moved to bit 2: a 16-bit shift by at most 5 brings no other byte's bit there */
+    const __m256i mask = _mm256_loadu_si256((const __m256i *)p);
+    const __m256i high = j <= 2 ? _mm256_slli_epi16(mask, 2 - j) : _mm256_srli_epi16(mask, j - 2);
     return _mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(4)));
 }
 

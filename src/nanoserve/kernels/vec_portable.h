@@ -359,6 +359,7 @@ NS_INLINE __m256i _mm256_set1_epi64x(int64_t v) { __m256i r; NS_LANES(4) memcpy(
 NS_INLINE __m256i _mm256_or_si256(__m256i a, __m256i b) { NS_LANES(32) a.ub[l] |= b.ub[l]; return a; }
 NS_INLINE __m256i _mm256_sub_epi8(__m256i a, __m256i b) { NS_LANES(32) a.ub[l] = (uint8_t)(a.ub[l] - b.ub[l]); return a; }
 NS_INLINE __m256i _mm256_cmpeq_epi8(__m256i a, __m256i b) { NS_LANES(32) a.ub[l] = a.ub[l] == b.ub[l] ? 0xFF : 0; return a; }
+NS_INLINE __m256i _mm256_slli_epi16(__m256i a, int n) { NS_LANES(16) a.h[l] = n > 15 ? 0 : (int16_t)((uint16_t)a.h[l] << n); return a; }
 NS_INLINE __m256i _mm256_srli_epi16(__m256i a, int n) { NS_LANES(16) a.h[l] = n > 15 ? 0 : (int16_t)((uint16_t)a.h[l] >> n); return a; }
 NS_INLINE __m256i _mm256_abs_epi8(__m256i a) { NS_LANES(32) a.ub[l] = (uint8_t)(a.b[l] < 0 ? -a.b[l] : a.b[l]); return a; }
 NS_INLINE __m256i _mm256_sign_epi8(__m256i a, __m256i b) { /* a negated where b < 0, zeroed where b == 0 */
