@@ -1,8 +1,7 @@
 /* x W^T for W of a K type (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), x quantized to 8 bits with one scale per
  * super-block of 256 (quantized_rows.h, as llama.cpp's Q8_K): within a super-block every product is an
  * integer, so the sub-blocks' scales multiply in vpmaddwd and the sums add as integers (exact); one float
- * multiply-add
- * per super-block then applies d (the weights') times x's scale. Decode steps stream the weights; more
+ * multiply-add per super-block then applies d (the weights') times x's scale. Decode steps stream the weights; more
  * rows run a GEMM with 8 weight rows side by side per vector. Both take the same operations in the same
  * order for each output, so a row's result does not depend on its batch: per super-block g the integer
  * T_g, then acc = the fused multiply-adds T_g * (d * xs) in order, m = those of -(dmin * xs) * (the
