@@ -72,6 +72,7 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int6
                 memset(q, 0, 32);
                 o->sum[i * nb + b] = 0.0f;
                 o->qsum16[(i * nb + b) * 2] = o->qsum16[(i * nb + b) * 2 + 1] = 0.0f;
+                o->qs16[(i * nb + b) * 2] = o->qs16[(i * nb + b) * 2 + 1] = 0;
                 continue;
             }
             const __m256 inv = _mm256_set1_ps(1.0f / ((float)s * dx));
@@ -85,6 +86,8 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int6
             const int32_t lo = hsum_epi32(_mm256_add_epi32(w[0], w[1])), hi = hsum_epi32(_mm256_add_epi32(w[2], w[3]));
             o->qsum16[(i * nb + b) * 2] = (float)lo;
             o->qsum16[(i * nb + b) * 2 + 1] = (float)hi;
+            o->qs16[(i * nb + b) * 2] = (int16_t)lo; /* |lo| <= 16 * 127 */
+            o->qs16[(i * nb + b) * 2 + 1] = (int16_t)hi;
             o->sum[i * nb + b] = (float)(lo + hi) * (float)s * dx;
         }
     }
@@ -377,7 +380,8 @@ void weight_gemm_i8(const float *x, const BlockWeight *w, float *out, int64_t M,
     QuantizedRows xq = {aligned_alloc(32, (size_t)(Mp * K)), aligned_alloc(32, sizeof(int16_t) * (size_t)(Mp * nb * 16)),
                         malloc(sizeof(float) * (size_t)Mp), calloc((size_t)(Mp * nb + 8), sizeof(float)),
                         malloc(sizeof(float) * (size_t)(Mp * nb * 2)),
-                        malloc(sizeof(float) * (size_t)(Mp * xs_blocks(nb)))};
+                        malloc(sizeof(float) * (size_t)(Mp * xs_blocks(nb))),
+                        malloc(sizeof(int16_t) * (size_t)(Mp * nb * 2))};
     const int k_type = TYPE_IS_K(w->type);
     quantize_rows(x, M, Mp, K, k_type ? K_GROUP_BLOCKS : 1, &xq);
     if (!k_type && M <= STREAM_MAX_ROWS) stream_rows(&xq, w, out, ldo, M, nb);
@@ -393,4 +397,5 @@ void weight_gemm_i8(const float *x, const BlockWeight *w, float *out, int64_t M,
     free(xq.sum);
     free(xq.qsum16);
     free(xq.sx);
+    free(xq.qs16);
 }

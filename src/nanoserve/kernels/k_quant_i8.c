@@ -144,11 +144,13 @@ NS_ALWAYS_INLINE void k_stream_row(int t, const QuantizedRows *xq, const uint8_t
 /* A group's weight rows ready for the tiles, in sets of SUB rows side by side (per set and super-block):
  * codes [sub-block][step 0..7][row 0..7][4 bytes] (256 bytes a sub-block), vpmaddwd multipliers
  * [sub-block][half][16 int16] (32-bit lane n: row n's scale of the sub-block's weights 0..15 or 16..31),
- * d and dmin [row], and the 16 minimums transposed [16][row]. Rows past the group's last are zero. */
+ * d and dmin [row], and the 16 minimums (KIntScales.mn, small integers) as int16 pairs [pair][row][2],
+ * vpmaddwd multipliers of x's sums per 16. Rows past the group's last are zero. */
 typedef struct {
     uint8_t *codes;
     int16_t *sc;
-    float *d, *dmin, *mn;
+    float *d, *dmin;
+    int16_t *mn;
 } KGroup;
 
 NS_ALWAYS_INLINE void k_unpack_group(int t, const BlockWeight *w, int64_t n0, int64_t cols, int64_t nb, KGroup *u) {
@@ -164,7 +166,7 @@ NS_ALWAYS_INLINE void k_unpack_group(int t, const BlockWeight *w, int64_t n0, in
                     for (int j = 0; j < 8; j++) codes[j][n] = _mm256_setzero_si256();
                     for (int j = 0; j < 16; j++) sc[j * 16 + 2 * n] = sc[j * 16 + 2 * n + 1] = 0;
                     u->d[sg * SUB + n] = u->dmin[sg * SUB + n] = 0.0f;
-                    for (int l = 0; l < 16; l++) u->mn[(sg * 16 + l) * SUB + n] = 0.0f;
+                    for (int l = 0; l < 16; l++) u->mn[(sg * 8 + l / 2) * 16 + 2 * n + l % 2] = 0;
                     continue;
                 }
                 const uint8_t *p = (const uint8_t *)w->data + (n0 + s * SUB + n) * w->row_bytes + g * bytes;
@@ -182,7 +184,7 @@ NS_ALWAYS_INLINE void k_unpack_group(int t, const BlockWeight *w, int64_t n0, in
                 }
                 u->d[sg * SUB + n] = ks.d;
                 u->dmin[sg * SUB + n] = ks.dmin;
-                for (int l = 0; l < 16; l++) u->mn[(sg * 16 + l) * SUB + n] = mn[l];
+                for (int l = 0; l < 16; l++) u->mn[(sg * 8 + l / 2) * 16 + 2 * n + l % 2] = (int16_t)mn[l];
             }
             for (int j = 0; j < 8; j++) {
                 __m256i steps[8];
@@ -229,11 +231,17 @@ NS_ALWAYS_INLINE void k_tile(int t, const QuantizedRows *xq, const int8_t *qp, i
         const __m256 d = _mm256_load_ps(u->d + sg * SUB), dmin = _mm256_load_ps(u->dmin + sg * SUB);
         for (int r = 0; r < TR; r++) {
             const __m256 xs = _mm256_set1_ps(k_x_scale(xq, i + r, nb, g));
-            /* the minimums' dot with x's sums of codes: integers below 2^24, exact in any order */
-            const float *qs = xq->qsum16 + ((i + r) * nb + g * 8) * 2;
-            __m256 mdot = _mm256_setzero_ps();
-            for (int l = 0; l < 16; l++)
-                mdot = _mm256_fmadd_ps(_mm256_load_ps(u->mn + (sg * 16 + l) * SUB), _mm256_set1_ps(qs[l]), mdot);
+            /* the minimums' dot with x's sums of codes, as integers (in float32 below 2^24, the value
+             * k_stream_row computes in floats): one vpmaddwd per pair of x's sums */
+            const int16_t *qs = xq->qs16 + ((i + r) * nb + g * 8) * 2;
+            __m256i md = _mm256_setzero_si256();
+            for (int l2 = 0; l2 < 8; l2++) {
+                int32_t pair;
+                memcpy(&pair, qs + 2 * l2, 4);
+                md = _mm256_add_epi32(md, _mm256_madd_epi16(_mm256_load_si256((const __m256i *)(u->mn + (sg * 8 + l2) * 16)),
+                                                            _mm256_set1_epi32(pair)));
+            }
+            const __m256 mdot = _mm256_cvtepi32_ps(md);
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot[r]), _mm256_mul_ps(d, xs), acc[r]);
             m[r] = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, xs)), mdot, m[r]);
         }
@@ -287,7 +295,7 @@ void k_gemm_i8(const QuantizedRows *xq, const BlockWeight *w, float *out, int64_
     {
         KGroup u = {aligned_alloc(32, (size_t)(NGI * nb * 32)), aligned_alloc(32, sizeof(int16_t) * (size_t)(NGI * nb * 4)),
                     aligned_alloc(32, sizeof(float) * (size_t)(NGI * nb / 8)), aligned_alloc(32, sizeof(float) * (size_t)(NGI * nb / 8)),
-                    aligned_alloc(32, sizeof(float) * (size_t)(NGI * nb * 2))};
+                    aligned_alloc(32, sizeof(int16_t) * (size_t)(NGI * nb * 2))};
 #pragma omp for schedule(dynamic, 2)
         for (int64_t g = 0; g < groups; g++) {
             const int64_t n0 = g * NGI, cols = N - n0 < NGI ? N - n0 : NGI;

@@ -18,13 +18,14 @@
  * each row padded with zeros to a multiple of 8 blocks: xs_blocks), per [row][block] the block's sum of
  * q times s times dx (sum, for the weights' minimum terms; 8 zeros past its end), and per
  * [row][half-block] the sum of q alone over each 16 values (qsum16, for the K types' minimum and offset
- * terms). Rows past M are zero. For the K types s is one per super-block of K_GROUP_BLOCKS blocks
+ * terms; also as int16, qs16, for the GEMM's integer products with the minimums). Rows past M are zero. For the K types s is one per super-block of K_GROUP_BLOCKS blocks
  * (llama.cpp's Q8_K: one scale per 256 values), so that their products add integers over a whole
  * super-block (k_quant_i8.c). */
 typedef struct {
     int8_t *q;
     int16_t *s;
     float *dx, *sum, *qsum16, *sx;
+    int16_t *qs16;
 } QuantizedRows;
 
 /* Blocks per row of sx: nb rounded up to a multiple of 8 (the streaming kernels read 8 blocks at a time). */
