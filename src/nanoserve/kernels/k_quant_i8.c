@@ -28,6 +28,7 @@
 typedef struct {
     __m256i sc[8];
     __m256 mn[2];
+    __m256i pairs, mn16; /* the same as 16 int16 each: lane l the scale, or the minimum, of weights 16 l.. */
     float d, dmin;
 } KIntScales;
 
@@ -51,6 +52,8 @@ NS_ALWAYS_INLINE void k_int_scales(int t, const uint8_t *p, KIntScales *ks) {
                                                        _mm_set1_epi8(0x0F)) : sc;
         ks->mn[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(mn));
         ks->mn[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(mn, 8)));
+        ks->pairs = all;
+        ks->mn16 = _mm256_cvtepi8_epi16(mn);
         ks->d = f16_at(p + (t == T_Q6_K ? 208 : t == T_Q3_K ? 108 : 80));
         ks->dmin = t == T_Q6_K ? 32.0f * ks->d : t == T_Q3_K ? 4.0f * ks->d : f16_at(p + 82);
         return;
@@ -67,6 +70,11 @@ NS_ALWAYS_INLINE void k_int_scales(int t, const uint8_t *p, KIntScales *ks) {
     const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 2))));
     ks->mn[0] = _mm256_permutevar8x32_ps(mn, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
     ks->mn[1] = _mm256_permutevar8x32_ps(mn, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
+    /* a scale (minimum) per 32 weights: sub-block j's in both int16 of 32-bit lane j */
+    const __m256i s32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sm));
+    const __m256i m32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 2)));
+    ks->pairs = _mm256_or_si256(s32, _mm256_slli_epi32(s32, 16));
+    ks->mn16 = _mm256_or_si256(m32, _mm256_slli_epi32(m32, 16));
     ks->d = f16_at(p);
     ks->dmin = f16_at(p + 2);
 }
@@ -159,33 +167,38 @@ NS_ALWAYS_INLINE void k_unpack_group(int t, const BlockWeight *w, int64_t n0, in
         const int64_t live = cols - s * SUB < SUB ? cols - s * SUB : SUB;
         for (int64_t g = 0; g < ng; g++) {
             const int64_t sg = s * ng + g;
-            __m256i codes[8][SUB]; /* [sub-block][row] */
+            __m256i codes[8][SUB];                   /* [sub-block][row] */
+            __m256i pairs[SUB], mins[SUB], across[8]; /* [row]: KIntScales.pairs and .mn16 */
             for (int n = 0; n < SUB; n++) {
-                int16_t *sc = u->sc + sg * 256;
                 if (n >= live) {
                     for (int j = 0; j < 8; j++) codes[j][n] = _mm256_setzero_si256();
-                    for (int j = 0; j < 16; j++) sc[j * 16 + 2 * n] = sc[j * 16 + 2 * n + 1] = 0;
+                    pairs[n] = mins[n] = _mm256_setzero_si256();
                     u->d[sg * SUB + n] = u->dmin[sg * SUB + n] = 0.0f;
-                    for (int l = 0; l < 16; l++) u->mn[(sg * 8 + l / 2) * 16 + 2 * n + l % 2] = 0;
                     continue;
                 }
                 const uint8_t *p = (const uint8_t *)w->data + (n0 + s * SUB + n) * w->row_bytes + g * bytes;
                 KIntScales ks;
                 k_int_scales(t, p, &ks);
-                _Alignas(32) float mn[16];
-                _mm256_store_ps(mn, ks.mn[0]);
-                _mm256_store_ps(mn + 8, ks.mn[1]);
 #pragma GCC unroll 8
-                for (int j = 0; j < 8; j++) {
-                    codes[j][n] = k_unsigned_codes(t, p, j);
-                    _Alignas(32) int16_t m16[16];
-                    _mm256_store_si256((__m256i *)m16, ks.sc[j]);
-                    for (int h = 0; h < 2; h++) sc[(2 * j + h) * 16 + 2 * n] = sc[(2 * j + h) * 16 + 2 * n + 1] = m16[8 * h];
-                }
+                for (int j = 0; j < 8; j++) codes[j][n] = k_unsigned_codes(t, p, j);
+                pairs[n] = ks.pairs;
+                mins[n] = ks.mn16;
                 u->d[sg * SUB + n] = ks.d;
                 u->dmin[sg * SUB + n] = ks.dmin;
-                for (int l = 0; l < 16; l++) u->mn[(sg * 8 + l / 2) * 16 + 2 * n + l % 2] = (int16_t)mn[l];
             }
+            /* the rows' scales side by side: across[j] lane n = row n's pair (scale of weights 0..15, of 16..31)
+             * of sub-block j, each copied into both int16 of its lane for its half's multipliers */
+            transpose8x32(pairs, across);
+            /* byte indices within each 128-bit half: lane k takes bytes 4k, 4k + 1 (or 4k + 2, 4k + 3) twice */
+            const __m256i first = _mm256_setr_epi32(0x01000100, 0x05040504, 0x09080908, 0x0D0C0D0C, 0x01000100, 0x05040504,
+                                                    0x09080908, 0x0D0C0D0C);
+            const __m256i second = _mm256_add_epi32(first, _mm256_set1_epi32(0x02020202));
+            for (int j = 0; j < 8; j++) {
+                _mm256_store_si256((__m256i *)(u->sc + sg * 256 + (2 * j) * 16), _mm256_shuffle_epi8(across[j], first));
+                _mm256_store_si256((__m256i *)(u->sc + sg * 256 + (2 * j + 1) * 16), _mm256_shuffle_epi8(across[j], second));
+            }
+            transpose8x32(mins, across); /* across[l2] lane n = row n's minimums 2 l2, 2 l2 + 1 */
+            for (int l2 = 0; l2 < 8; l2++) _mm256_store_si256((__m256i *)(u->mn + (sg * 8 + l2) * 16), across[l2]);
             for (int j = 0; j < 8; j++) {
                 __m256i steps[8];
                 transpose8x32(codes[j], steps);
