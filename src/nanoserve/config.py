@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 WEIGHT_DTYPES = ("auto", "float32", "float16", "bfloat16")
-QUANTIZATIONS = ("none", "q8_0", "q6_k", "q5_k", "q5_1", "q5_0", "q4_k", "q4_1", "q4_0", "q3_k", "q2_k")  # kernels.quant.QUANTIZATIONS and "none"
+# --quantization: "none", or a type kernels/quant.py quantizes float matrices to on load
+QUANTIZATIONS = ("none", "q8_0", "q6_k", "q5_k", "q5_1", "q5_0", "q4_k", "q4_1", "q4_0", "q3_k", "q2_k")
 ACTIVATION_DTYPES = ("auto", "float32", "int8")
 KV_CACHE_DTYPES = ("auto", "float32", "float16")
 KERNEL_CHOICES = ("auto", "c", "torch")

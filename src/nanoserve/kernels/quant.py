@@ -9,6 +9,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from nanoserve.config import QUANTIZATIONS as CONFIG_QUANTIZATIONS
+
 # GGML type name -> (its GGML enum value, weights per block, bytes per block). The enum values are the
 # type codes the C kernels take (kernels/quant_blocks.h).
 GGML_TYPES = {
@@ -19,8 +21,8 @@ GGML_TYPES = {
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 BLOCK_TYPES = tuple(t for t in GGML_TYPES if t not in FLOAT_TYPES)
 # --quantization: the types a float matrix can be quantized to on load (gguf-py's quantizers for the
-# 32-weight blocks, kernels/k_quant.py for the K types).
-QUANTIZATIONS = ("q8_0", "q6_k", "q5_k", "q5_1", "q5_0", "q4_k", "q4_1", "q4_0", "q3_k", "q2_k")
+# 32-weight blocks, kernels/k_quant.py for the K types); the option's one list is config.QUANTIZATIONS.
+QUANTIZATIONS = tuple(q for q in CONFIG_QUANTIZATIONS if q != "none")
 # A K type needs rows of a multiple of 256 weights; other rows take the type llama-quantize gives them
 # (llama-cpp-python 0.3.36's llama.cpp: Q4_0 for Q2_K and Q3_K).
 K_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
