@@ -1,8 +1,8 @@
 /* x W^T for W of a K type (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), x quantized to 8 bits with one scale per
  * super-block of 256 (quantized_rows.h, as llama.cpp's Q8_K): within a super-block every product is an
  * integer, so the sub-blocks' scales multiply in vpmaddwd and the sums add as integers (exact); one float
- * multiply-add per super-block then applies d (the weights') times x's scale. Decode steps stream the weights; more
- * rows run a GEMM with 8 weight rows side by side per vector. Both take the same operations in the same
+ * multiply-add per super-block then applies d (the weights') times x's scale. Decode steps stream the
+ * weights; more rows run a GEMM with 8 weight rows side by side per vector. Both take the same operations in the same
  * order for each output, so a row's result does not depend on its batch: per super-block g the integer
  * T_g, then acc = the fused multiply-adds T_g * (d * xs) in order, m = those of -(dmin * xs) * (the
  * minimums' dot with x's sums), out = acc + m. */
@@ -23,8 +23,9 @@
  * vpmaddubsw and one vpmaddwd by its multipliers sc[j]: 16 int16, Q4_K / Q5_K's six-bit scale in every
  * lane, Q2_K / Q3_K / Q6_K the scale of weights 0..15 in lanes 0-7 and of 16..31 in 8-15 (the layout of
  * vpmaddubsw's pair sums). mn: the minimum of each 16 weights, as 16 floats (Q4_K / Q5_K: the sub-block's
- * minimum twice; Q2_K: its four-bit minimums; Q3_K / Q6_K: their scales, with dmin = 4 d / 32 d). No sum overflows: a sub-block's int32 lane is at most
- * 4 * 63 * 127 * 128 (Q6_K), a super-block's eight times that. */
+ * minimum twice; Q2_K: its four-bit minimums; Q3_K / Q6_K: their scales, with dmin = 4 d / 32 d). No sum
+ * overflows: a sub-block's int32 lane is at most 4 * 63 * 127 * 128 (Q6_K), a super-block's eight times
+ * that. */
 typedef struct {
     __m256i sc[8];
     __m256 mn[2];

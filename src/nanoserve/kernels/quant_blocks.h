@@ -1,7 +1,7 @@
 /* The weight types the products read, in their GGUF layouts (codes are the GGML enum values, as in
  * kernels/quant.py), and one decoder: decode32() turns any 32 consecutive weights of a block type into
- * 32 byte codes q and w[j] = (j < 16 ? s0 q[j] + m : s1 q[j] + m1), the values gguf-py's dequantize gives, bit for
- * bit (each is one rounding of an exact product). q is unsigned (0..63) for the types with an offset or
+ * 32 byte codes q and w[j] = (j < 16 ? s0 q[j] + m : s1 q[j] + m1), the values gguf-py's dequantize
+ * gives, bit for bit (each is one rounding of an exact product). q is unsigned (0..63) for the types with an offset or
  * a minimum and signed (-127..127) for the others (TYPE_SIGNED). Every kernel that reads weights is
  * written once over decode32() and instantiated per type (FOR_EACH_BLOCK_TYPE). */
 #ifndef NANOSERVE_QUANT_BLOCKS_H
@@ -153,11 +153,6 @@ NS_ALWAYS_INLINE __m128i q3_k_scales(const uint8_t *s) {
     return _mm_sub_epi8(u, _mm_set1_epi8(32));
 }
 
-/* Q3_K's scale i (0..15) alone, -32..31. */
-static inline int q3_k_scale(const uint8_t *s, int i) {
-    return (((s[i & 7] >> (4 * (i >> 3))) & 0x0F) | (((s[8 + (i & 3)] >> (2 * (i >> 2))) & 3) << 4)) - 32;
-}
-
 /* The 32 codes of sub-block j (0..7: weights 32 j .. 32 j + 31) of the K-type super-block at p: unsigned
  * 0..31 (Q4_K: 0..15) for Q4_K / Q5_K, 0..3 for Q2_K, signed -32..31 for Q6_K and -4..3 for Q3_K. */
 NS_ALWAYS_INLINE __m256i k_codes(int t, const uint8_t *p, int j) {
@@ -240,9 +235,11 @@ NS_ALWAYS_INLINE Sub32 decode32(int t, const uint8_t *row, int64_t b) {
         const int j = (int)(b & 7);
         const uint8_t *p = row + (b >> 3) * 110;
         const float d = f16_at(p + 108);
+        int8_t sc[16];
+        _mm_storeu_si128((__m128i *)sc, q3_k_scales(p + 96));
         r.q = k_codes(t, p, j);
-        r.s0 = d * (float)q3_k_scale(p + 96, 2 * j);
-        r.s1 = d * (float)q3_k_scale(p + 96, 2 * j + 1);
+        r.s0 = d * (float)sc[2 * j];
+        r.s1 = d * (float)sc[2 * j + 1];
         r.m = 0.0f;
         break;
     }
