@@ -36,7 +36,7 @@ static inline float hmax8(__m256 v) {
  * `group` blocks (1, or K_GROUP_BLOCKS for the K types) the smallest integer scale s that keeps
  * |q| <= 127. */
 static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int64_t group, QuantizedRows *o) {
-    const int64_t nb = K / 32, nbx = xs_blocks(nb);
+    const int64_t nb = K / 32, nbx = xs_blocks(nb), ngx = k_xs_groups(nb);
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     float *amax = malloc(sizeof(float) * (size_t)nb);
@@ -58,6 +58,7 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int6
         const float dx = rmax / (127.0f * 32767.0f);
         o->dx[i] = dx;
         for (int64_t b = nb; b < nbx; b++) o->sx[i * nbx + b] = 0.0f;
+        for (int64_t g = group > 1 ? nb / group : ngx; g < ngx; g++) o->xk[i * ngx + g] = 0.0f;
         for (int64_t b = 0; b < nb; b++) {
             int8_t *q = o->q + ((p * nb + b) * TR + r) * 32;
             int16_t *sv = o->s + ((p * nb + b) * TR + r) * 16;
@@ -68,10 +69,10 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int6
             }
             for (int c = 0; c < 16; c++) sv[c] = (int16_t)s;
             o->sx[i * nbx + b] = (float)s;
+            if (group > 1 && b % group == 0) o->xk[i * ngx + b / group] = dx * (float)s;
             if (i >= M || rmax == 0.0f) {
                 memset(q, 0, 32);
                 o->sum[i * nb + b] = 0.0f;
-                o->qsum16[(i * nb + b) * 2] = o->qsum16[(i * nb + b) * 2 + 1] = 0.0f;
                 o->qs16[(i * nb + b) * 2] = o->qs16[(i * nb + b) * 2 + 1] = 0;
                 continue;
             }
@@ -84,8 +85,6 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int6
             /* The minimum term takes the quantized block's sum: the result is then exactly the product
              * with the quantized x, and its error does not grow with the blocks' offsets m. */
             const int32_t lo = hsum_epi32(_mm256_add_epi32(w[0], w[1])), hi = hsum_epi32(_mm256_add_epi32(w[2], w[3]));
-            o->qsum16[(i * nb + b) * 2] = (float)lo;
-            o->qsum16[(i * nb + b) * 2 + 1] = (float)hi;
             o->qs16[(i * nb + b) * 2] = (int16_t)lo; /* |lo| <= 16 * 127 */
             o->qs16[(i * nb + b) * 2 + 1] = (int16_t)hi;
             o->sum[i * nb + b] = (float)(lo + hi) * (float)s * dx;
@@ -140,14 +139,6 @@ NS_ALWAYS_INLINE void unpack_group(int t, const BlockWeight *w, int64_t n0, int6
             }
         }
     }
-}
-
-/* The eight partial sums S_j (lanes: the set's weight rows) summed in hsum256's order:
- * ((S0 + S4) + (S2 + S6)) + ((S1 + S5) + (S3 + S7)). */
-static inline __m256 sum_partials(const __m256 *p) {
-    const __m256 u0 = _mm256_add_ps(p[0], p[4]), u1 = _mm256_add_ps(p[1], p[5]);
-    const __m256 u2 = _mm256_add_ps(p[2], p[6]), u3 = _mm256_add_ps(p[3], p[7]);
-    return _mm256_add_ps(_mm256_add_ps(u0, u2), _mm256_add_ps(u1, u3));
 }
 
 /* One set of SUB weight rows against one panel of TR rows of x: for each residue j, the fused
@@ -379,9 +370,9 @@ void weight_gemm_i8(const float *x, const BlockWeight *w, float *out, int64_t M,
     const int64_t K = w->k, nb = K / 32, Mp = (M + TR - 1) / TR * TR;
     QuantizedRows xq = {aligned_alloc(32, (size_t)(Mp * K)), aligned_alloc(32, sizeof(int16_t) * (size_t)(Mp * nb * 16)),
                         malloc(sizeof(float) * (size_t)Mp), calloc((size_t)(Mp * nb + 8), sizeof(float)),
-                        malloc(sizeof(float) * (size_t)(Mp * nb * 2)),
                         malloc(sizeof(float) * (size_t)(Mp * xs_blocks(nb))),
-                        malloc(sizeof(int16_t) * (size_t)(Mp * nb * 2))};
+                        malloc(sizeof(int16_t) * (size_t)(Mp * nb * 2)),
+                        malloc(sizeof(float) * (size_t)(Mp * k_xs_groups(nb) + 1))};
     const int k_type = TYPE_IS_K(w->type);
     quantize_rows(x, M, Mp, K, k_type ? K_GROUP_BLOCKS : 1, &xq);
     if (!k_type && M <= STREAM_MAX_ROWS) stream_rows(&xq, w, out, ldo, M, nb);
@@ -395,7 +386,7 @@ void weight_gemm_i8(const float *x, const BlockWeight *w, float *out, int64_t M,
     free(xq.s);
     free(xq.dx);
     free(xq.sum);
-    free(xq.qsum16);
     free(xq.sx);
     free(xq.qs16);
+    free(xq.xk);
 }

@@ -2,10 +2,12 @@
  * super-block of 256 (quantized_rows.h, as llama.cpp's Q8_K): within a super-block every product is an
  * integer, so the sub-blocks' scales multiply in vpmaddwd and the sums add as integers (exact); one float
  * multiply-add per super-block then applies d (the weights') times x's scale. Decode steps stream the
- * weights; more rows run a GEMM with 8 weight rows side by side per vector. Both take the same operations in the same
- * order for each output, so a row's result does not depend on its batch: per super-block g the integer
- * T_g, then acc = the fused multiply-adds T_g * (d * xs) in order, m = those of -(dmin * xs) * (the
- * minimums' dot with x's sums), out = acc + m. */
+ * weights; more rows run a GEMM with 8 weight rows side by side per vector. Both take the same operations
+ * in the same order for each output, so a row's result does not depend on its batch: per super-block g
+ * the integers T_g and M_g (the minimums' dot with x's sums), then for each residue j the fused
+ * multiply-adds A_j of T_g * (d * xs) and N_j of M_g * -(dmin * xs) over g = j, j + 8, ... in order
+ * (a vector lane each in the streaming kernel), out = (the A_j summed as hsum256 sums lanes) + (the N_j
+ * likewise). */
 /* No fused a * b + c or reordered sums that one kernel would get and the other not (the build allows both). */
 #pragma GCC optimize("fp-contract=off", "no-associative-math")
 #include "simd.h"
@@ -28,7 +30,6 @@
  * that. */
 typedef struct {
     __m256i sc[8];
-    __m256 mn[2];
     __m256i pairs, mn16; /* the same as 16 int16 each: lane l the scale, or the minimum, of weights 16 l.. */
     float d, dmin;
 } KIntScales;
@@ -42,17 +43,17 @@ NS_ALWAYS_INLINE void k_int_scales(int t, const uint8_t *p, KIntScales *ks) {
         if (t == T_Q6_K) sc = _mm_loadu_si128((const __m128i *)(p + 192));
         else if (t == T_Q2_K) sc = _mm_and_si128(_mm_loadu_si128((const __m128i *)p), _mm_set1_epi8(0x0F));
         else sc = q3_k_scales(p + 96);
-        /* the 16 scales as int16, pairs (2j, 2j + 1) in 32-bit lane j; lane j to every 32-bit lane, then
-         * the low half takes the pair's first int16 and the high half its second */
+        /* the 16 scales as int16 (pairs (2j, 2j + 1) in 32-bit lane j); sub-block j's multipliers take
+         * scale 2j in the low half and 2j + 1 in the high half, one byte shuffle of scales 0..7 (j < 4) or
+         * 8..15 in both halves */
         const __m256i all = _mm256_cvtepi8_epi16(sc);
-        const __m256i pick = _mm256_setr_epi32(0x01000100, 0x01000100, 0x01000100, 0x01000100, 0x03020302, 0x03020302,
-                                               0x03020302, 0x03020302);
-        for (int j = 0; j < 8; j++)
-            ks->sc[j] = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(all, _mm256_set1_epi32(j)), pick);
+        const __m256i low8 = _mm256_permute2x128_si256(all, all, 0x00), high8 = _mm256_permute2x128_si256(all, all, 0x11);
+        for (int j = 0; j < 8; j++) {
+            const int32_t a = 0x01000100 + 0x02020202 * ((2 * j) & 7), b = a + 0x02020202;
+            ks->sc[j] = _mm256_shuffle_epi8(j < 4 ? low8 : high8, _mm256_setr_epi32(a, a, a, a, b, b, b, b));
+        }
         const __m128i mn = t == T_Q2_K ? _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)p), 4),
                                                        _mm_set1_epi8(0x0F)) : sc;
-        ks->mn[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(mn));
-        ks->mn[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(mn, 8)));
         ks->pairs = all;
         ks->mn16 = _mm256_cvtepi8_epi16(mn);
         ks->d = f16_at(p + (t == T_Q6_K ? 208 : t == T_Q3_K ? 108 : 80));
@@ -66,11 +67,10 @@ NS_ALWAYS_INLINE void k_int_scales(int t, const uint8_t *p, KIntScales *ks) {
     sm[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);         /* scales 4..7 */
     sm[2] = u[1] & 0x3f3f3f3f;                                               /* minimums 0..3 */
     sm[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);  /* minimums 4..7 */
-    const uint8_t *sc = (const uint8_t *)sm;
-    for (int j = 0; j < 8; j++) ks->sc[j] = _mm256_set1_epi16(sc[j]);
-    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 2))));
-    ks->mn[0] = _mm256_permutevar8x32_ps(mn, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
-    ks->mn[1] = _mm256_permutevar8x32_ps(mn, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
+    /* sub-block j's multipliers: its scale (int16 lane j of the eight, in both halves) in every lane */
+    const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)sm)); /* scales <= 63 */
+    const __m256i both = _mm256_permute2x128_si256(s16, s16, 0x00);
+    for (int j = 0; j < 8; j++) ks->sc[j] = _mm256_shuffle_epi8(both, _mm256_set1_epi16((int16_t)(0x0100 + 0x0202 * j)));
     /* a scale (minimum) per 32 weights: sub-block j's in both int16 of 32-bit lane j */
     const __m256i s32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sm));
     const __m256i m32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 2)));
@@ -90,56 +90,74 @@ NS_ALWAYS_INLINE __m256i k_dot(__m256i w, __m256i xv, __m256i sc) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), sc);
 }
 
-/* x's scale over super-block g of row i: dx * s (s is the same for the super-block's blocks). */
-static inline float k_x_scale(const QuantizedRows *xq, int64_t i, int64_t nb, int64_t g) {
-    return xq->dx[i] * (float)xq->s[(quantized_row_offset(i, nb) + g * K_GROUP_BLOCKS * TR) * 16];
+/* Per 32-bit lane, the minimums' products with x's sums of codes per 16 over super-block g (mn16 times qs16
+ * in vpmaddwd): their total, an integer below 2^24, is the same exact value however it is summed. */
+static inline __m256i k_min_products(__m256i mn16, const QuantizedRows *xq, int64_t i, int64_t nb, int64_t g) {
+    return _mm256_madd_epi16(mn16, _mm256_loadu_si256((const __m256i *)(xq->qs16 + (i * nb + g * 8) * 2)));
 }
 
-/* Sum over super-block g's sub-blocks of the minimum times x's sum of codes: integers below 2^24 whose
- * products and sums are exact in float32, so any order gives the same value. */
-static inline float k_min_dot(const __m256 *mn, const QuantizedRows *xq, int64_t i, int64_t nb, int64_t g) {
-    const float *qs = xq->qsum16 + (i * nb + g * 8) * 2;
-    return hsum256(_mm256_add_ps(_mm256_mul_ps(mn[0], _mm256_loadu_ps(qs)), _mm256_mul_ps(mn[1], _mm256_loadu_ps(qs + 8))));
+/* Eight super-blocks' integer sums (v[k] = vphaddd of super-block k's code products and minimum products:
+ * T01 T23 M01 M23 | T45 T67 M45 M67 in 32-bit lanes) -> *tot lane k = T_k, *min lane k = M_k. Exact. */
+static inline void k_totals8(const __m256i *v, __m256i *tot, __m256i *min) {
+    const __m256i a0 = _mm256_hadd_epi32(v[0], v[1]), a1 = _mm256_hadd_epi32(v[2], v[3]); /* T0 M0 T1 M1 halves */
+    const __m256i a2 = _mm256_hadd_epi32(v[4], v[5]), a3 = _mm256_hadd_epi32(v[6], v[7]);
+    const __m256i c0 = _mm256_add_epi32(_mm256_permute2x128_si256(a0, a1, 0x20), _mm256_permute2x128_si256(a0, a1, 0x31));
+    const __m256i c1 = _mm256_add_epi32(_mm256_permute2x128_si256(a2, a3, 0x20), _mm256_permute2x128_si256(a2, a3, 0x31));
+    const __m256i split = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7); /* T0 M0 T1 M1 T2 M2 T3 M3 -> T0..T3 M0..M3 */
+    const __m256i p0 = _mm256_permutevar8x32_epi32(c0, split), p1 = _mm256_permutevar8x32_epi32(c1, split);
+    *tot = _mm256_permute2x128_si256(p0, p1, 0x20);
+    *min = _mm256_permute2x128_si256(p0, p1, 0x31);
 }
 
-/* The per-super-block step of one output: acc += float(T) * (d * xs) and
- * m_term += -(dmin * xs) * (the minimums' dot with x's sums). */
-#define K_FOLD(acc, m_term, total, d, dmin, xs, mdot)                                                        \
-    do {                                                                                                     \
-        (acc) = NS_FMA((float)(total), (d) * (xs), (acc));                                                   \
-        (m_term) = NS_FMA(-((dmin) * (xs)), (mdot), (m_term));                                               \
-    } while (0)
-
-/* One weight row against rows i0 .. i0 + M - 1 (M <= STREAM_MAX_ROWS) of x. */
+/* One weight row against rows i0 .. i0 + M - 1 (M <= STREAM_MAX_ROWS) of x: eight super-blocks at a time,
+ * super-block g0 + k's sums in lane k, so that lane k's fused multiply-adds are the GEMM's for residue k. */
 NS_ALWAYS_INLINE void k_stream_row(int t, const QuantizedRows *xq, const uint8_t *row, float *out, int64_t ldo,
                                    int64_t i0, int64_t M, int64_t nb) {
-    const int64_t bytes = type_block_bytes(t);
-    float acc[STREAM_MAX_ROWS], m_term[STREAM_MAX_ROWS];
-    for (int64_t i = 0; i < M; i++) acc[i] = m_term[i] = 0.0f;
-    for (int64_t g = 0; g < nb / 8; g++) {
-        const uint8_t *p = row + g * bytes;
-        for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + STREAM_PREFETCH_BYTES + o, _MM_HINT_T0);
-        KIntScales ks;
-        k_int_scales(t, p, &ks);
-        __m256i isum[STREAM_MAX_ROWS];
-        for (int64_t i = 0; i < M; i++) isum[i] = _mm256_setzero_si256();
-        /* unrolled, so that each sub-block's shifts and offsets in k_codes are constants */
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; j++) {
-            const __m256i w = k_unsigned_codes(t, p, j);
-            for (int64_t i = 0; i < M; i++) {
-                const int64_t off = quantized_row_offset(i0 + i, nb) + (8 * g + j) * TR;
-                const __m256i xv = _mm256_load_si256((const __m256i *)(xq->q + off * 32));
-                isum[i] = _mm256_add_epi32(isum[i], k_dot(w, xv, ks.sc[j]));
-                NS_KEEP_IN_REGISTER(isum[i]);
+    const int64_t bytes = type_block_bytes(t), ng = nb / 8, ngx = k_xs_groups(nb);
+    __m256 acc[STREAM_MAX_ROWS], m_acc[STREAM_MAX_ROWS];
+    for (int64_t i = 0; i < M; i++) acc[i] = m_acc[i] = _mm256_setzero_ps();
+    for (int64_t g0 = 0; g0 < ng; g0 += 8) {
+        const int n8 = ng - g0 < 8 ? (int)(ng - g0) : 8;
+        _Alignas(32) float d[8] = {0}, dmin[8] = {0};
+        __m256i v[STREAM_MAX_ROWS][8];
+        for (int k = 0; k < 8; k++) {
+            if (k >= n8) {
+                for (int64_t i = 0; i < M; i++) v[i][k] = _mm256_setzero_si256();
+                continue;
             }
+            const int64_t g = g0 + k;
+            const uint8_t *p = row + g * bytes;
+            for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)p + STREAM_PREFETCH_BYTES + o, _MM_HINT_T0);
+            KIntScales ks;
+            k_int_scales(t, p, &ks);
+            __m256i isum[STREAM_MAX_ROWS];
+            for (int64_t i = 0; i < M; i++) isum[i] = _mm256_setzero_si256();
+            /* unrolled, so that each sub-block's shifts and offsets in k_codes are constants */
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                const __m256i w = k_unsigned_codes(t, p, j);
+                for (int64_t i = 0; i < M; i++) {
+                    const int64_t off = quantized_row_offset(i0 + i, nb) + (8 * g + j) * TR;
+                    const __m256i xv = _mm256_load_si256((const __m256i *)(xq->q + off * 32));
+                    isum[i] = _mm256_add_epi32(isum[i], k_dot(w, xv, ks.sc[j]));
+                    NS_KEEP_IN_REGISTER(isum[i]);
+                }
+            }
+            d[k] = ks.d;
+            dmin[k] = ks.dmin;
+            for (int64_t i = 0; i < M; i++) v[i][k] = _mm256_hadd_epi32(isum[i], k_min_products(ks.mn16, xq, i0 + i, nb, g));
         }
+        const __m256 dv = _mm256_load_ps(d), dminv = _mm256_load_ps(dmin);
         for (int64_t i = 0; i < M; i++) {
-            const float xs = k_x_scale(xq, i0 + i, nb, g);
-            K_FOLD(acc[i], m_term[i], hsum_epi32(isum[i]), ks.d, ks.dmin, xs, k_min_dot(ks.mn, xq, i0 + i, nb, g));
+            __m256i tot, min;
+            k_totals8(v[i], &tot, &min);
+            const __m256 xs = _mm256_loadu_ps(xq->xk + (i0 + i) * ngx + g0);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_mul_ps(dv, xs), acc[i]);
+            m_acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(min), _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dminv, xs)),
+                                       m_acc[i]);
         }
     }
-    for (int64_t i = 0; i < M; i++) out[i * ldo] = acc[i] + m_term[i];
+    for (int64_t i = 0; i < M; i++) out[i * ldo] = hsum256(acc[i]) + hsum256(m_acc[i]);
 }
 
 #define SUB 8  /* weight rows side by side in the GEMM's vectors, one per lane */
@@ -213,54 +231,60 @@ NS_ALWAYS_INLINE void k_unpack_group(int t, const BlockWeight *w, int64_t n0, in
  * (from row i of xq): the outputs of the set's rows, lane n for row n, in y[r]. */
 NS_ALWAYS_INLINE void k_tile(int t, const QuantizedRows *xq, const int8_t *qp, int64_t i, int64_t nb, const KGroup *u,
                              int64_t sg0, __m256 *y) {
-    const int64_t ng = nb / 8;
+    const int64_t ng = nb / 8, ngx = k_xs_groups(nb);
     const int W = K_WIDEN_STEPS(t);
-    __m256 acc[TR], m[TR];
-    for (int r = 0; r < TR; r++) acc[r] = m[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < ng; g++) {
-        const int64_t sg = sg0 + g;
-        __m256i tot[TR];
-        for (int r = 0; r < TR; r++) tot[r] = _mm256_setzero_si256();
-        for (int j = 0; j < 8; j++) {
-            const int8_t *xb = qp + (8 * g + j) * TR * 32;
-            const uint8_t *wj = u->codes + (sg * 8 + j) * 256;
-            for (int k0 = 0; k0 < 8; k0 += W) {
-                __m256i h[TR];
-                for (int k = k0; k < k0 + W; k++) {
-                    const __m256i wv = _mm256_load_si256((const __m256i *)(wj + k * 32));
+    __m256 part[TR][8], m_part[TR][8]; /* per residue j: the fused multiply-adds over super-blocks j, j + 8, ... */
+    for (int j8 = 0; j8 < 8; j8++) {
+        __m256 acc[TR], m[TR];
+        for (int r = 0; r < TR; r++) acc[r] = m[r] = _mm256_setzero_ps();
+        for (int64_t g = j8; g < ng; g += 8) {
+            const int64_t sg = sg0 + g;
+            __m256i tot[TR];
+            for (int r = 0; r < TR; r++) tot[r] = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++) {
+                const int8_t *xb = qp + (8 * g + j) * TR * 32;
+                const uint8_t *wj = u->codes + (sg * 8 + j) * 256;
+                for (int k0 = 0; k0 < 8; k0 += W) {
+                    __m256i h[TR];
+                    for (int k = k0; k < k0 + W; k++) {
+                        const __m256i wv = _mm256_load_si256((const __m256i *)(wj + k * 32));
+                        for (int r = 0; r < TR; r++) {
+                            int32_t x4;
+                            memcpy(&x4, xb + r * 32 + k * 4, 4);
+                            const __m256i p = _mm256_maddubs_epi16(wv, _mm256_set1_epi32(x4));
+                            h[r] = k == k0 ? p : _mm256_add_epi16(h[r], p);
+                            if (W > 2) NS_KEEP_IN_REGISTER(h[r]); /* a chain per row: see int8_gemm.c's tile_partials */
+                        }
+                    }
+                    const __m256i sc = _mm256_load_si256((const __m256i *)(u->sc + sg * 256 + (2 * j + k0 / 4) * 16));
                     for (int r = 0; r < TR; r++) {
-                        int32_t x4;
-                        memcpy(&x4, xb + r * 32 + k * 4, 4);
-                        const __m256i p = _mm256_maddubs_epi16(wv, _mm256_set1_epi32(x4));
-                        h[r] = k == k0 ? p : _mm256_add_epi16(h[r], p);
-                        if (W > 2) NS_KEEP_IN_REGISTER(h[r]); /* a chain per row: see int8_gemm.c's tile_partials */
+                        tot[r] = _mm256_add_epi32(tot[r], _mm256_madd_epi16(h[r], sc));
                     }
                 }
-                const __m256i sc = _mm256_load_si256((const __m256i *)(u->sc + sg * 256 + (2 * j + k0 / 4) * 16));
-                for (int r = 0; r < TR; r++) {
-                    tot[r] = _mm256_add_epi32(tot[r], _mm256_madd_epi16(h[r], sc));
+            }
+            const __m256 d = _mm256_load_ps(u->d + sg * SUB), dmin = _mm256_load_ps(u->dmin + sg * SUB);
+            for (int r = 0; r < TR; r++) {
+                const __m256 xs = _mm256_set1_ps(xq->xk[(i + r) * ngx + g]);
+                /* the minimums' dot with x's sums of codes, as integers (k_stream_row's M_g): one vpmaddwd
+                 * per pair of x's sums */
+                const int16_t *qs = xq->qs16 + ((i + r) * nb + g * 8) * 2;
+                __m256i md = _mm256_setzero_si256();
+                for (int l2 = 0; l2 < 8; l2++) {
+                    int32_t pair;
+                    memcpy(&pair, qs + 2 * l2, 4);
+                    md = _mm256_add_epi32(md, _mm256_madd_epi16(_mm256_load_si256((const __m256i *)(u->mn + (sg * 8 + l2) * 16)),
+                                                                _mm256_set1_epi32(pair)));
                 }
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot[r]), _mm256_mul_ps(d, xs), acc[r]);
+                m[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(md), _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, xs)), m[r]);
             }
         }
-        const __m256 d = _mm256_load_ps(u->d + sg * SUB), dmin = _mm256_load_ps(u->dmin + sg * SUB);
         for (int r = 0; r < TR; r++) {
-            const __m256 xs = _mm256_set1_ps(k_x_scale(xq, i + r, nb, g));
-            /* the minimums' dot with x's sums of codes, as integers (in float32 below 2^24, the value
-             * k_stream_row computes in floats): one vpmaddwd per pair of x's sums */
-            const int16_t *qs = xq->qs16 + ((i + r) * nb + g * 8) * 2;
-            __m256i md = _mm256_setzero_si256();
-            for (int l2 = 0; l2 < 8; l2++) {
-                int32_t pair;
-                memcpy(&pair, qs + 2 * l2, 4);
-                md = _mm256_add_epi32(md, _mm256_madd_epi16(_mm256_load_si256((const __m256i *)(u->mn + (sg * 8 + l2) * 16)),
-                                                            _mm256_set1_epi32(pair)));
-            }
-            const __m256 mdot = _mm256_cvtepi32_ps(md);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot[r]), _mm256_mul_ps(d, xs), acc[r]);
-            m[r] = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, xs)), mdot, m[r]);
+            part[r][j8] = acc[r];
+            m_part[r][j8] = m[r];
         }
     }
-    for (int r = 0; r < TR; r++) y[r] = _mm256_add_ps(acc[r], m[r]);
+    for (int r = 0; r < TR; r++) y[r] = _mm256_add_ps(sum_partials(part[r]), sum_partials(m_part[r]));
 }
 
 /* One group of weight rows (n0 .. n0 + cols - 1) against rows i0 .. i0 + M - 1 of x. */

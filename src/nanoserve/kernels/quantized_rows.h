@@ -17,21 +17,35 @@
  * [panel][block][row][16] (one vector, for the K types' vpmaddwd) and as a float per [row][block] (sx,
  * each row padded with zeros to a multiple of 8 blocks: xs_blocks), per [row][block] the block's sum of
  * q times s times dx (sum, for the weights' minimum terms; 8 zeros past its end), and per
- * [row][half-block] the sum of q alone over each 16 values (qsum16, for the K types' minimum and offset
- * terms; also as int16, qs16, for the GEMM's integer products with the minimums). Rows past M are zero. For the K types s is one per super-block of K_GROUP_BLOCKS blocks
- * (llama.cpp's Q8_K: one scale per 256 values), so that their products add integers over a whole
- * super-block (k_quant_i8.c). */
+ * [row][half-block] the sum of q alone over each 16 values as int16 (qs16, for the K types' integer
+ * products with their minimums and offsets). Rows past M are zero. For the K types s is one per
+ * super-block of K_GROUP_BLOCKS blocks (llama.cpp's Q8_K: one scale per 256 values), so that their
+ * products add integers over a whole super-block (k_quant_i8.c), and xk holds x's scale dx * s per
+ * [row][super-block] (each row padded with zeros to a multiple of 8 super-blocks: k_xs_groups). */
 typedef struct {
     int8_t *q;
     int16_t *s;
-    float *dx, *sum, *qsum16, *sx;
+    float *dx, *sum, *sx;
     int16_t *qs16;
+    float *xk;
 } QuantizedRows;
 
 /* Blocks per row of sx: nb rounded up to a multiple of 8 (the streaming kernels read 8 blocks at a time). */
 static inline int64_t xs_blocks(int64_t nb) { return (nb + 7) / 8 * 8; }
 
 #define K_GROUP_BLOCKS 8
+
+/* Super-blocks per row of xk: nb / K_GROUP_BLOCKS rounded up to a multiple of 8 (the K kernels fold eight
+ * super-blocks at a time). */
+static inline int64_t k_xs_groups(int64_t nb) { return (nb / K_GROUP_BLOCKS + 7) / 8 * 8; }
+
+/* The eight partial sums S_j (lanes: the set's weight rows) summed in hsum256's order:
+ * ((S0 + S4) + (S2 + S6)) + ((S1 + S5) + (S3 + S7)). */
+static inline __m256 sum_partials(const __m256 *p) {
+    const __m256 u0 = _mm256_add_ps(p[0], p[4]), u1 = _mm256_add_ps(p[1], p[5]);
+    const __m256 u2 = _mm256_add_ps(p[2], p[6]), u3 = _mm256_add_ps(p[3], p[7]);
+    return _mm256_add_ps(_mm256_add_ps(u0, u2), _mm256_add_ps(u1, u3));
+}
 
 /* Offset, in blocks of 32, of row i's block 0 in q (x32 bytes) and s (x16 int16); block b is b * TR further. */
 static inline int64_t quantized_row_offset(int64_t i, int64_t nb) {
