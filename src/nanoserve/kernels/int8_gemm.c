@@ -94,8 +94,8 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int6
 }
 
 /* Ask for weight rows first .. first + count - 1 (clipped to the matrix) before unpack_group decodes
- * them, one set of rows ahead (past a group's last set: the rows after it, which the thread often takes
- * next under schedule(dynamic, 2)). Rows are contiguous, and a row of a few hundred bytes ends before the
+ * them, one set of rows ahead (past a group's last set: the rows after it, the thread's next group but
+ * after the last of its take). Rows are contiguous, and a row of a few hundred bytes ends before the
  * hardware prefetcher follows it. Measured 2026-12-04, offline c=32-like load on SmolLM2 Q4_K_M (mostly
  * Q5_0 rows of 396 bytes): 378-396 -> 445-450 output tok/s, alternated twice; Q8_0 no faster, and the
  * same in the K types' GEMM (the 1.1B file's rows of 1152+ bytes) gave nothing, so it does without. */
@@ -210,6 +210,7 @@ NS_ALWAYS_INLINE void gemm_group(int t, const QuantizedRows *xq, const BlockWeig
         for (int v = 0; v < NGI / 8; v++) _mm256_storeu_ps(m_terms + i * NGI + v * 8, sum_partials(part[v]));
     }
     if (TYPE_SIGNED(t)) memset(m_terms, 0, sizeof(float) * (size_t)(M * NGI));
+    NextGroupPrefetch next = next_group_prefetch(w, n0, cols, NGI, panels * sets);
     for (int64_t p = 0; p < panels; p++) {
         const int8_t *qp = xq->q + (i0 / TR + p) * nb * TR * 32;
         const int64_t rows = M - p * TR < TR ? M - p * TR : TR;
@@ -218,6 +219,7 @@ NS_ALWAYS_INLINE void gemm_group(int t, const QuantizedRows *xq, const BlockWeig
         for (int64_t g = 0; g < sets; g++) {
             __m256 part[TR][8];
             tile_partials(t, qp, sxr, wu + g * nb * 256, wa + g * nb * 256, dv + g * nb * SUB, nb, part);
+            prefetch_slice(&next);
             const int64_t width = cols - g * SUB < SUB ? cols - g * SUB : SUB;
             for (int64_t r = 0; r < rows; r++) {
                 const int64_t i = p * TR + r;
@@ -249,7 +251,7 @@ static void gemm_rows(const QuantizedRows *xq, const BlockWeight *w, float *out,
         float *dv = aligned_alloc(32, sizeof(float) * (size_t)(NGI * nb));
         float *mt = malloc(sizeof(float) * (size_t)(nb * NGI));
         float *m_terms = malloc(sizeof(float) * (size_t)(M * NGI)); /* [row][col] */
-#pragma omp for schedule(dynamic, 2)
+#pragma omp for schedule(dynamic, GROUPS_PER_TAKE)
         for (int64_t g = 0; g < groups; g++) {
             const int64_t n0 = g * NGI, cols = N - n0 < NGI ? N - n0 : NGI;
             switch (w->type) {
