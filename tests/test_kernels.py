@@ -92,17 +92,19 @@ def test_float_activation_product_matches_reference(qtype):
         torch.testing.assert_close(TORCH.linear(x[:rows], layer_of(w), int8=False), ref, atol=1e-5 * scale, rtol=0)
 
 
-@pytest.mark.parametrize("qtype", BLOCK_TYPES)
-def test_int8_activation_product_is_the_product_with_quantized_x(qtype):
+@pytest.mark.parametrize("qtype, width", [(q, 512) for q in BLOCK_TYPES] +
+                         [(q, w) for q in BLOCK_TYPES if q not in K_TYPES for w in (576, 608)])
+def test_int8_activation_product_is_the_product_with_quantized_x(qtype, width):
     """On block types, int8 activations: equals x quantized per block (quant.quantize_activations) times
     the dequantized weight, to float32 summation error, at every row count; stays within ~2% of the
     exact product (5% on the K types, whose x takes one scale per 256 values as llama.cpp's Q8_K: the
     outlier channel coarsens its whole super-block, measured 3.7%); and each output row does not depend
-    on the rows around it."""
-    w = random_weight(qtype, 70, 512, seed=4)
+    on the rows around it. Widths: whole groups of 8 blocks, and rows that end 2 (SmolLM2's 576) or 3
+    blocks past one."""
+    w = random_weight(qtype, 70, width, seed=4)
     exact = w.dequantize().double()
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(max(ROW_COUNTS), 512, generator=g)
+    x = torch.randn(max(ROW_COUNTS), width, generator=g)
     x[:, 7] *= 40  # an outlier channel, as real activations have
     full = C.weight_linear(x, w, int8=True)
     for rows in ROW_COUNTS:
@@ -114,7 +116,7 @@ def test_int8_activation_product_is_the_product_with_quantized_x(qtype):
         truth = (x[:rows].double() @ exact.T).float()
         assert ((out - truth).norm() / truth.norm()).item() < (0.05 if qtype in K_TYPES else 0.02)
         assert torch.equal(out, full[:rows]), f"{qtype}: row results depend on the batch ({rows} rows)"
-    assert torch.equal(C.weight_linear(torch.zeros(3, 512), w, int8=True), torch.zeros(3, 70))
+    assert torch.equal(C.weight_linear(torch.zeros(3, width), w, int8=True), torch.zeros(3, 70))
 
 
 def test_gemm_row_does_not_depend_on_its_panel():
