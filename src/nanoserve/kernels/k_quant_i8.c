@@ -246,6 +246,10 @@ NS_ALWAYS_INLINE void k_tile(int t, const QuantizedRows *xq, const int8_t *qp, i
                 const uint8_t *wj = u->codes + (sg * 8 + j) * 256;
                 for (int k0 = 0; k0 < 8; k0 += W) {
                     __m256i h[TR];
+                    /* unrolled: GCC left Q4_K's 8 steps a loop, its first-step test (k == k0) a branch
+                     * in every step and its counters as many instructions as the products (Q4_K 32
+                     * rows 1.11x, 128 rows 1.14x as fast unrolled; the other types unchanged) */
+#pragma GCC unroll 8
                     for (int k = k0; k < k0 + W; k++) {
                         const __m256i wv = _mm256_load_si256((const __m256i *)(wj + k * 32));
                         for (int r = 0; r < TR; r++) {
