@@ -24,13 +24,13 @@
  * stored 0..63, its offset of 32 taken as a minimum; Q3_K's 0..7, offset 4), so each sub-block is one
  * vpmaddubsw and one vpmaddwd by its multipliers sc[j]: 16 int16, Q4_K / Q5_K's six-bit scale in every
  * lane, Q2_K / Q3_K / Q6_K the scale of weights 0..15 in lanes 0-7 and of 16..31 in 8-15 (the layout of
- * vpmaddubsw's pair sums). mn: the minimum of each 16 weights, as 16 floats (Q4_K / Q5_K: the sub-block's
- * minimum twice; Q2_K: its four-bit minimums; Q3_K / Q6_K: their scales, with dmin = 4 d / 32 d). No sum
- * overflows: a sub-block's int32 lane is at most 4 * 63 * 127 * 128 (Q6_K), a super-block's eight times
- * that. */
+ * vpmaddubsw's pair sums). pairs: the scale of each 16 weights, mn16: their minimum, 16 int16 each (lane l:
+ * weights 16 l..; Q4_K / Q5_K: the sub-block's scale or minimum twice; Q2_K: its four-bit minimums; Q3_K
+ * / Q6_K: their scales, with dmin = 4 d / 32 d). No sum overflows: a sub-block's int32 lane is at most
+ * 4 * 63 * 127 * 128 (Q6_K), a super-block's eight times that. */
 typedef struct {
     __m256i sc[8];
-    __m256i pairs, mn16; /* the same as 16 int16 each: lane l the scale, or the minimum, of weights 16 l.. */
+    __m256i pairs, mn16;
     float d, dmin;
 } KIntScales;
 
