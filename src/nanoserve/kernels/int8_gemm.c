@@ -386,7 +386,7 @@ void weight_gemm_i8(const float *x, const BlockWeight *w, float *out, int64_t M,
                         malloc(sizeof(float) * (size_t)Mp), calloc((size_t)(Mp * nb + 8), sizeof(float)),
                         malloc(sizeof(float) * (size_t)(Mp * xs_blocks(nb))),
                         malloc(sizeof(int16_t) * (size_t)(Mp * nb * 2)),
-                        malloc(sizeof(float) * (size_t)(Mp * k_xs_groups(nb) + 1))};
+                        malloc(sizeof(float) * (size_t)(Mp * k_xs_groups(nb)))};
     const int k_type = TYPE_IS_K(w->type);
     quantize_rows(x, M, Mp, K, k_type ? K_GROUP_BLOCKS : 1, &xq);
     if (!k_type && M <= STREAM_MAX_ROWS) stream_rows(&xq, w, out, ldo, M, nb);

@@ -109,6 +109,13 @@ static inline void k_totals8(const __m256i *v, __m256i *tot, __m256i *min) {
     *min = _mm256_permute2x128_si256(p0, p1, 0x31);
 }
 
+/* The fold of one super-block's integers (lanes: residues in k_stream_row, weight rows in k_tile) into
+ * A_j and N_j: the one sequence of operations both kernels run, so that their results are identical. */
+NS_ALWAYS_INLINE void k_fold(__m256i tot, __m256i min, __m256 d, __m256 dmin, __m256 xs, __m256 *acc, __m256 *m_acc) {
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_mul_ps(d, xs), *acc);
+    *m_acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(min), _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, xs)), *m_acc);
+}
+
 /* One weight row against rows i0 .. i0 + M - 1 (M <= STREAM_MAX_ROWS) of x: eight super-blocks at a time,
  * super-block g0 + k's sums in lane k, so that lane k's fused multiply-adds are the GEMM's for residue k. */
 NS_ALWAYS_INLINE void k_stream_row(int t, const QuantizedRows *xq, const uint8_t *row, float *out, int64_t ldo,
@@ -151,10 +158,7 @@ NS_ALWAYS_INLINE void k_stream_row(int t, const QuantizedRows *xq, const uint8_t
         for (int64_t i = 0; i < M; i++) {
             __m256i tot, min;
             k_totals8(v[i], &tot, &min);
-            const __m256 xs = _mm256_loadu_ps(xq->xk + (i0 + i) * ngx + g0);
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_mul_ps(dv, xs), acc[i]);
-            m_acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(min), _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dminv, xs)),
-                                       m_acc[i]);
+            k_fold(tot, min, dv, dminv, _mm256_loadu_ps(xq->xk + (i0 + i) * ngx + g0), &acc[i], &m_acc[i]);
         }
     }
     for (int64_t i = 0; i < M; i++) out[i * ldo] = hsum256(acc[i]) + hsum256(m_acc[i]);
@@ -279,8 +283,7 @@ NS_ALWAYS_INLINE void k_tile(int t, const QuantizedRows *xq, const int8_t *qp, i
                     md = _mm256_add_epi32(md, _mm256_madd_epi16(_mm256_load_si256((const __m256i *)(u->mn + (sg * 8 + l2) * 16)),
                                                                 _mm256_set1_epi32(pair)));
                 }
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot[r]), _mm256_mul_ps(d, xs), acc[r]);
-                m[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(md), _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, xs)), m[r]);
+                k_fold(tot[r], md, d, dmin, xs, &acc[r], &m[r]);
             }
         }
         for (int r = 0; r < TR; r++) {
