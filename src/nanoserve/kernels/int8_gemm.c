@@ -73,7 +73,7 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int6
             if (i >= M || rmax == 0.0f) {
                 memset(q, 0, 32);
                 o->sum[i * nb + b] = 0.0f;
-                o->qs16[(i * nb + b) * 2] = o->qs16[(i * nb + b) * 2 + 1] = 0;
+                o->qs16[(i * nb + b) * 2] = o->qs16[(i * nb + b) * 2 + 1] = o->qs32[qs32_index(i, nb, b)] = 0;
                 continue;
             }
             const __m256 inv = _mm256_set1_ps(1.0f / ((float)s * dx));
@@ -87,6 +87,7 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int6
             const int32_t lo = hsum_epi32(_mm256_add_epi32(w[0], w[1])), hi = hsum_epi32(_mm256_add_epi32(w[2], w[3]));
             o->qs16[(i * nb + b) * 2] = (int16_t)lo; /* |lo| <= 16 * 127 */
             o->qs16[(i * nb + b) * 2 + 1] = (int16_t)hi;
+            o->qs32[qs32_index(i, nb, b)] = (int16_t)(lo + hi); /* <= 32 * 127 */
             o->sum[i * nb + b] = (float)(lo + hi) * (float)s * dx;
         }
     }
@@ -385,7 +386,7 @@ void weight_gemm_i8(const float *x, const BlockWeight *w, float *out, int64_t M,
     QuantizedRows xq = {aligned_alloc(32, (size_t)(Mp * K)), aligned_alloc(32, sizeof(int16_t) * (size_t)(Mp * nb * 16)),
                         malloc(sizeof(float) * (size_t)Mp), calloc((size_t)(Mp * nb + 8), sizeof(float)),
                         malloc(sizeof(float) * (size_t)(Mp * xs_blocks(nb))),
-                        malloc(sizeof(int16_t) * (size_t)(Mp * nb * 2)),
+                        malloc(sizeof(int16_t) * (size_t)(Mp * nb * 2)), malloc(sizeof(int16_t) * (size_t)(Mp * (nb + 1))),
                         malloc(sizeof(float) * (size_t)(Mp * k_xs_groups(nb)))};
     const int k_type = TYPE_IS_K(w->type);
     quantize_rows(x, M, Mp, K, k_type ? K_GROUP_BLOCKS : 1, &xq);
@@ -402,5 +403,6 @@ void weight_gemm_i8(const float *x, const BlockWeight *w, float *out, int64_t M,
     free(xq.sum);
     free(xq.sx);
     free(xq.qs16);
+    free(xq.qs32);
     free(xq.xk);
 }

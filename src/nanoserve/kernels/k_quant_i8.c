@@ -27,10 +27,11 @@
  * vpmaddubsw's pair sums). pairs: the scale of each 16 weights, mn16: their minimum, 16 int16 each (lane l:
  * weights 16 l..; Q4_K / Q5_K: the sub-block's scale or minimum twice; Q2_K: its four-bit minimums; Q3_K
  * / Q6_K: their scales, with dmin = 4 d / 32 d). No sum overflows: a sub-block's int32 lane is at most
- * 4 * 63 * 127 * 128 (Q6_K), a super-block's eight times that. */
+ * 4 * 63 * 127 * 128 (Q6_K), a super-block's eight times that. mn32 (Q4_K / Q5_K): the eight minimums as
+ * int16 in lanes 0..7 (pairs (2p, 2p + 1) in 32-bit lane p), for the GEMM's products with x's sums per 32. */
 typedef struct {
     __m256i sc[8];
-    __m256i pairs, mn16;
+    __m256i pairs, mn16, mn32;
     float d, dmin;
 } KIntScales;
 
@@ -76,6 +77,7 @@ NS_ALWAYS_INLINE void k_int_scales(int t, const uint8_t *p, KIntScales *ks) {
     const __m256i m32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 2)));
     ks->pairs = _mm256_or_si256(s32, _mm256_slli_epi32(s32, 16));
     ks->mn16 = _mm256_or_si256(m32, _mm256_slli_epi32(m32, 16));
+    ks->mn32 = _mm256_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(sm + 2)));
     ks->d = f16_at(p);
     ks->dmin = f16_at(p + 2);
 }
@@ -167,6 +169,10 @@ NS_ALWAYS_INLINE void k_stream_row(int t, const QuantizedRows *xq, const uint8_t
 #define SUB 8  /* weight rows side by side in the GEMM's vectors, one per lane */
 #define NGI 16 /* weight rows unpacked per group: a multiple of SUB */
 
+/* Pairs of minimums per super-block in the GEMM's minimum term: Q4_K / Q5_K have one per 32 weights
+ * (KIntScales.mn32 against x's sums per 32, four vpmaddwd), the others one per 16 (mn16, against qs16). */
+#define K_MIN_PAIRS(t) ((t) == T_Q4_K || (t) == T_Q5_K ? 4 : 8)
+
 /* Steps (4 weights of each row) whose vpmaddubsw pair sums one int16 lane holds before vpmaddwd applies
  * the sub-block's scale: 8 of 4-bit codes (16 * 15 * 127 < 32767), 4 of 5-bit, 2 of 6-bit (4 * 63 * 127);
  * at most 4 (16 weights) where the scale changes every 16 weights: Q2_K's and Q3_K's 2- and 3-bit codes. */
@@ -175,8 +181,8 @@ NS_ALWAYS_INLINE void k_stream_row(int t, const QuantizedRows *xq, const uint8_t
 /* A group's weight rows ready for the tiles, in sets of SUB rows side by side (per set and super-block):
  * codes [sub-block][step 0..7][row 0..7][4 bytes] (256 bytes a sub-block), vpmaddwd multipliers
  * [sub-block][half][16 int16] (32-bit lane n: row n's scale of the sub-block's weights 0..15 or 16..31),
- * d and dmin [row], and the 16 minimums (KIntScales.mn, small integers) as int16 pairs [pair][row][2],
- * vpmaddwd multipliers of x's sums per 16. Rows past the group's last are zero. */
+ * d and dmin [row], and the minimums (KIntScales.mn16 or mn32, small integers) as int16 pairs
+ * [pair][row][2] (K_MIN_PAIRS of them), vpmaddwd multipliers of x's sums per 16 or 32. Rows past the group's last are zero. */
 typedef struct {
     uint8_t *codes;
     int16_t *sc;
@@ -205,7 +211,7 @@ NS_ALWAYS_INLINE void k_unpack_group(int t, const BlockWeight *w, int64_t n0, in
 #pragma GCC unroll 8
                 for (int j = 0; j < 8; j++) codes[j][n] = k_unsigned_codes(t, p, j);
                 pairs[n] = ks.pairs;
-                mins[n] = ks.mn16;
+                mins[n] = K_MIN_PAIRS(t) == 4 ? ks.mn32 : ks.mn16;
                 u->d[sg * SUB + n] = ks.d;
                 u->dmin[sg * SUB + n] = ks.dmin;
             }
@@ -221,7 +227,7 @@ NS_ALWAYS_INLINE void k_unpack_group(int t, const BlockWeight *w, int64_t n0, in
                 _mm256_store_si256((__m256i *)(u->sc + sg * 256 + (2 * j + 1) * 16), _mm256_shuffle_epi8(across[j], second));
             }
             transpose8x32(mins, across); /* across[l2] lane n = row n's minimums 2 l2, 2 l2 + 1 */
-            for (int l2 = 0; l2 < 8; l2++) _mm256_store_si256((__m256i *)(u->mn + (sg * 8 + l2) * 16), across[l2]);
+            for (int l2 = 0; l2 < K_MIN_PAIRS(t); l2++) _mm256_store_si256((__m256i *)(u->mn + (sg * 8 + l2) * 16), across[l2]);
             for (int j = 0; j < 8; j++) {
                 __m256i steps[8];
                 transpose8x32(codes[j], steps);
@@ -270,21 +276,23 @@ NS_ALWAYS_INLINE void k_tile(int t, const QuantizedRows *xq, const int8_t *qp, i
                     }
                 }
             }
-            const __m256 d = _mm256_load_ps(u->d + sg * SUB), dmin = _mm256_load_ps(u->dmin + sg * SUB);
-            for (int r = 0; r < TR; r++) {
-                const __m256 xs = _mm256_set1_ps(xq->xk[(i + r) * ngx + g]);
-                /* the minimums' dot with x's sums of codes, as integers (k_stream_row's M_g): one vpmaddwd
-                 * per pair of x's sums */
-                const int16_t *qs = xq->qs16 + ((i + r) * nb + g * 8) * 2;
-                __m256i md = _mm256_setzero_si256();
-                for (int l2 = 0; l2 < 8; l2++) {
+            /* the minimums' dot with x's sums of codes, as integers (the same integer as k_stream_row's M_g,
+             * which takes Q4_K / Q5_K's sums per 16): one vpmaddwd per pair of x's sums and row */
+            __m256i md[TR];
+            for (int r = 0; r < TR; r++) md[r] = _mm256_setzero_si256();
+            const int16_t *qs32 = xq->qs32 + qs32_index(i, nb, g * 8); /* the panel's pairs, rows side by side */
+            for (int l2 = 0; l2 < K_MIN_PAIRS(t); l2++) {
+                const __m256i mn = _mm256_load_si256((const __m256i *)(u->mn + (sg * 8 + l2) * 16));
+                for (int r = 0; r < TR; r++) {
                     int32_t pair;
-                    memcpy(&pair, qs + 2 * l2, 4);
-                    md = _mm256_add_epi32(md, _mm256_madd_epi16(_mm256_load_si256((const __m256i *)(u->mn + (sg * 8 + l2) * 16)),
-                                                                _mm256_set1_epi32(pair)));
+                    memcpy(&pair, K_MIN_PAIRS(t) == 4 ? qs32 + (l2 * TR + r) * 2
+                                                      : xq->qs16 + ((i + r) * nb + g * 8) * 2 + 2 * l2, 4);
+                    md[r] = _mm256_add_epi32(md[r], _mm256_madd_epi16(mn, _mm256_set1_epi32(pair)));
                 }
-                k_fold(tot[r], md, d, dmin, xs, &acc[r], &m[r]);
             }
+            const __m256 d = _mm256_load_ps(u->d + sg * SUB), dmin = _mm256_load_ps(u->dmin + sg * SUB);
+            for (int r = 0; r < TR; r++)
+                k_fold(tot[r], md[r], d, dmin, _mm256_set1_ps(xq->xk[(i + r) * ngx + g]), &acc[r], &m[r]);
         }
         for (int r = 0; r < TR; r++) {
             part[r][j8] = acc[r];

@@ -18,7 +18,9 @@
  * each row padded with zeros to a multiple of 8 blocks: xs_blocks), per [row][block] the block's sum of
  * q times s times dx (sum, for the weights' minimum terms; 8 zeros past its end), and per
  * [row][half-block] the sum of q alone over each 16 values as int16 (qs16, for the K types' integer
- * products with their minimums and offsets). Rows past M are zero. For the K types s is one per
+ * products with their minimums and offsets), and over each block's 32 as int16 in panels
+ * [panel][pair of blocks][row][2] (qs32, for Q4_K / Q5_K's minimums, one per 32: a panel's rows side by
+ * side, as the GEMM reads them). Rows past M are zero. For the K types s is one per
  * super-block of K_GROUP_BLOCKS blocks (llama.cpp's Q8_K: one scale per 256 values), so that their
  * products add integers over a whole super-block (k_quant_i8.c), and xk holds x's scale dx * s per
  * [row][super-block] (each row padded with zeros to a multiple of 8 super-blocks: k_xs_groups). */
@@ -26,7 +28,7 @@ typedef struct {
     int8_t *q;
     int16_t *s;
     float *dx, *sum, *sx;
-    int16_t *qs16;
+    int16_t *qs16, *qs32;
     float *xk;
 } QuantizedRows;
 
@@ -45,6 +47,11 @@ static inline __m256 sum_partials(const __m256 *p) {
     const __m256 u0 = _mm256_add_ps(p[0], p[4]), u1 = _mm256_add_ps(p[1], p[5]);
     const __m256 u2 = _mm256_add_ps(p[2], p[6]), u3 = _mm256_add_ps(p[3], p[7]);
     return _mm256_add_ps(_mm256_add_ps(u0, u2), _mm256_add_ps(u1, u3));
+}
+
+/* Index in qs32 of row i's sum over block b. */
+static inline int64_t qs32_index(int64_t i, int64_t nb, int64_t b) {
+    return (((i / TR) * ((nb + 1) / 2) + b / 2) * TR + i % TR) * 2 + b % 2;
 }
 
 /* Offset, in blocks of 32, of row i's block 0 in q (x32 bytes) and s (x16 int16); block b is b * TR further. */

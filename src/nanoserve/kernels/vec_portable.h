@@ -319,6 +319,7 @@ NS_INLINE __m128i _mm256_extracti128_si256(__m256i a, int imm) { __m128i r; memc
 NS_INLINE __m256i _mm256_cvtepu8_epi32(__m128i a) { __m256i r; NS_LANES(8) r.i[l] = a.ub[l]; return r; }
 NS_INLINE __m256i _mm256_cvtepi8_epi32(__m128i a) { __m256i r; NS_LANES(8) r.i[l] = a.b[l]; return r; }
 NS_INLINE __m256i _mm256_cvtepi8_epi16(__m128i a) { __m256i r; NS_LANES(16) r.h[l] = a.b[l]; return r; }
+NS_INLINE __m256i _mm256_cvtepu8_epi16(__m128i a) { __m256i r; NS_LANES(16) r.h[l] = a.ub[l]; return r; }
 
 /* ---------------------------------------------------------------- 128-bit integers */
 NS_INLINE __m128i _mm_loadu_si128(const __m128i *p) { __m128i r; memcpy(&r, p, 16); return r; }
