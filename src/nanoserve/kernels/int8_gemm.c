@@ -383,11 +383,12 @@ static void stream_rows(const QuantizedRows *xq, const BlockWeight *w, float *ou
  * through k_quant_i8.c's kernels, with x's scale one per super-block. */
 void weight_gemm_i8(const float *x, const BlockWeight *w, float *out, int64_t M, int64_t ldo) {
     const int64_t K = w->k, nb = K / 32, Mp = (M + TR - 1) / TR * TR;
-    QuantizedRows xq = {aligned_alloc(32, (size_t)(Mp * K)), aligned_alloc(32, sizeof(int16_t) * (size_t)(Mp * nb * 16)),
-                        malloc(sizeof(float) * (size_t)Mp), calloc((size_t)(Mp * nb + 8), sizeof(float)),
-                        malloc(sizeof(float) * (size_t)(Mp * xs_blocks(nb))),
-                        malloc(sizeof(int16_t) * (size_t)(Mp * nb * 2)), malloc(sizeof(int16_t) * (size_t)(Mp * (nb + 1))),
-                        malloc(sizeof(float) * (size_t)(Mp * k_xs_groups(nb)))};
+    QuantizedRows xq = {.q = aligned_alloc(32, (size_t)(Mp * K)), .s = aligned_alloc(32, sizeof(int16_t) * (size_t)(Mp * nb * 16)),
+                        .dx = malloc(sizeof(float) * (size_t)Mp), .sum = calloc((size_t)(Mp * nb + 8), sizeof(float)),
+                        .sx = malloc(sizeof(float) * (size_t)(Mp * xs_blocks(nb))),
+                        .qs16 = malloc(sizeof(int16_t) * (size_t)(Mp * nb * 2)),
+                        .qs32 = malloc(sizeof(int16_t) * (size_t)(Mp * (nb + 1))),
+                        .xk = malloc(sizeof(float) * (size_t)(Mp * k_xs_groups(nb)))};
     const int k_type = TYPE_IS_K(w->type);
     quantize_rows(x, M, Mp, K, k_type ? K_GROUP_BLOCKS : 1, &xq);
     if (!k_type && M <= STREAM_MAX_ROWS) stream_rows(&xq, w, out, ldo, M, nb);

@@ -182,7 +182,8 @@ NS_ALWAYS_INLINE void k_stream_row(int t, const QuantizedRows *xq, const uint8_t
  * codes [sub-block][step 0..7][row 0..7][4 bytes] (256 bytes a sub-block), vpmaddwd multipliers
  * [sub-block][half][16 int16] (32-bit lane n: row n's scale of the sub-block's weights 0..15 or 16..31),
  * d and dmin [row], and the minimums (KIntScales.mn16 or mn32, small integers) as int16 pairs
- * [pair][row][2] (K_MIN_PAIRS of them), vpmaddwd multipliers of x's sums per 16 or 32. Rows past the group's last are zero. */
+ * [pair][row][2] (K_MIN_PAIRS of them), vpmaddwd multipliers of x's sums per 16 or 32. Rows past the
+ * group's last are zero. */
 typedef struct {
     uint8_t *codes;
     int16_t *sc;
