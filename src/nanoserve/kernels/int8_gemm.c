@@ -290,18 +290,14 @@ static inline __m256i block_totals(const __m256i *p) {
  * as decode32 gives them: each 32-weight type starts its block with d as float16, Q4_1 and Q5_1 follow it
  * with m, and Q4_0 and Q5_0 take m = -8d and -16d. Eight half-floats converted at once. */
 NS_ALWAYS_INLINE void block_scales8(int t, const uint8_t *row, int64_t b0, int n8, __m256 *d, __m256 *m) {
-    static const uint8_t halves[32] = {0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
-                                       0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15};
     int32_t h[8];
     for (int j = 0; j < 8; j++) {
         h[j] = 0;
         if (j < n8) memcpy(&h[j], row + (b0 + j) * type_block_bytes(t), 4);
     }
-    const __m256i v = _mm256_setr_epi32(h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]);
-    const __m256i split = _mm256_shuffle_epi8(v, _mm256_loadu_si256((const __m256i *)halves));
-    const __m256i both = _mm256_permutevar8x32_epi32(split, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
-    *d = _mm256_cvtph_ps(_mm256_castsi256_si128(both));
-    if (t == T_Q4_1 || t == T_Q5_1) *m = _mm256_cvtph_ps(_mm256_extracti128_si256(both, 1));
+    __m256 hi;
+    float16_pairs8(_mm256_setr_epi32(h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]), d, &hi);
+    if (t == T_Q4_1 || t == T_Q5_1) *m = hi;
     else if (t == T_Q4_0) *m = _mm256_mul_ps(*d, _mm256_set1_ps(-8.0f));
     else if (t == T_Q5_0) *m = _mm256_mul_ps(*d, _mm256_set1_ps(-16.0f));
     else *m = _mm256_setzero_ps();

@@ -54,6 +54,17 @@ static inline int64_t qs32_index(int64_t i, int64_t nb, int64_t b) {
     return (((i / TR) * ((nb + 1) / 2) + b / 2) * TR + i % TR) * 2 + b % 2;
 }
 
+/* Eight 32-bit words, each two float16 (low, high half), as eight floats each: *lo from the low halves,
+ * *hi from the high ones (the scales of eight blocks converted at once). */
+static inline void float16_pairs8(__m256i words, __m256 *lo, __m256 *hi) {
+    static const uint8_t halves[32] = {0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                       0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15};
+    const __m256i split = _mm256_shuffle_epi8(words, _mm256_loadu_si256((const __m256i *)halves));
+    const __m256i both = _mm256_permutevar8x32_epi32(split, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+    *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(both));
+    *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(both, 1));
+}
+
 /* Offset, in blocks of 32, of row i's block 0 in q (x32 bytes) and s (x16 int16); block b is b * TR further. */
 static inline int64_t quantized_row_offset(int64_t i, int64_t nb) {
     return (i / TR) * nb * TR + i % TR;

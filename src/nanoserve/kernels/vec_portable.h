@@ -325,6 +325,7 @@ NS_INLINE __m256i _mm256_cvtepu8_epi16(__m128i a) { __m256i r; NS_LANES(16) r.h[
 NS_INLINE __m128i _mm_loadu_si128(const __m128i *p) { __m128i r; memcpy(&r, p, 16); return r; }
 NS_INLINE void _mm_storeu_si128(__m128i *p, __m128i a) { memcpy(p, &a, 16); }
 NS_INLINE __m128i _mm_loadl_epi64(const __m128i *p) { __m128i r; memset(&r, 0, 16); memcpy(&r, p, 8); return r; }
+NS_INLINE __m128i _mm_cvtsi64_si128(long long v) { __m128i r; memset(&r, 0, 16); memcpy(&r, &v, 8); return r; }
 NS_INLINE __m128i _mm_set1_epi8(int8_t v) { __m128i r; NS_LANES(16) r.b[l] = v; return r; }
 NS_INLINE __m128i _mm_set1_epi16(int16_t v) { __m128i r; NS_LANES(8) r.h[l] = v; return r; }
 NS_INLINE __m128i _mm_setr_epi32(int32_t a, int32_t b, int32_t c, int32_t d) {
