@@ -197,6 +197,11 @@ NS_ALWAYS_INLINE void k_stream_row(int t, const QuantizedRows *xq, const uint8_t
  * (KIntScales.mn32 against x's sums per 32, four vpmaddwd), the others one per 16 (mn16, against qs16). */
 #define K_MIN_PAIRS(t) ((t) == T_Q4_K || (t) == T_Q5_K ? 4 : 8)
 
+/* Sets of SUB weight rows per tile: two share each broadcast of x where the int16 sums stay in registers
+ * (bench kernels 16384 x 2048, min of 4 alternations: Q4_K 16-128 rows 1.06-1.08x; Q5_K, Q6_K, Q3_K
+ * 0.87-0.92x at 128 rows and Q2_K 0.97x, where the two sets' sums spill). */
+#define K_TILE_SETS(t) ((t) == T_Q4_K ? 2 : 1)
+
 /* Steps (4 weights of each row) whose vpmaddubsw pair sums one int16 lane holds before vpmaddwd applies
  * the sub-block's scale: 8 of 4-bit codes (16 * 15 * 127 < 32767), 4 of 5-bit, 2 of 6-bit (4 * 63 * 127);
  * at most 4 (16 weights) where the scale changes every 16 weights: Q2_K's and Q3_K's 2- and 3-bit codes. */
@@ -262,69 +267,80 @@ NS_ALWAYS_INLINE void k_unpack_group(int t, const BlockWeight *w, int64_t n0, in
     }
 }
 
-/* One set of SUB weight rows (its unpacked super-blocks from sg0) against one panel of TR rows of x
- * (from row i of xq): the outputs of the set's rows, lane n for row n, in y[r]. */
-NS_ALWAYS_INLINE void k_tile(int t, const QuantizedRows *xq, const int8_t *qp, int64_t i, int64_t nb, const KGroup *u,
-                             int64_t sg0, __m256 *y) {
+/* ns (1 or 2, a literal) sets of SUB weight rows (their unpacked super-blocks from sg0 and sg0 + ng) against
+ * one panel of TR rows of x (from row i of xq): the outputs of set s's rows, lane n for row n, in y[s][r].
+ * Two sets share each broadcast of x's values (half the broadcasts per product). */
+NS_ALWAYS_INLINE void k_tile(int t, int ns, const QuantizedRows *xq, const int8_t *qp, int64_t i, int64_t nb,
+                             const KGroup *u, int64_t sg0, __m256 y[2][TR]) {
     const int64_t ng = nb / 8, ngx = k_xs_groups(nb);
     const int W = K_WIDEN_STEPS(t);
-    __m256 part[TR][8], m_part[TR][8]; /* per residue j: the fused multiply-adds over super-blocks j, j + 8, ... */
+    __m256 part[2][TR][8], m_part[2][TR][8]; /* per residue j: the fused multiply-adds over super-blocks j, j + 8, ... */
     for (int j8 = 0; j8 < 8; j8++) {
-        __m256 acc[TR], m[TR];
-        for (int r = 0; r < TR; r++) acc[r] = m[r] = _mm256_setzero_ps();
+        __m256 acc[2][TR], m[2][TR];
+        for (int s = 0; s < ns; s++)
+            for (int r = 0; r < TR; r++) acc[s][r] = m[s][r] = _mm256_setzero_ps();
         for (int64_t g = j8; g < ng; g += 8) {
-            const int64_t sg = sg0 + g;
-            __m256i tot[TR];
-            for (int r = 0; r < TR; r++) tot[r] = _mm256_setzero_si256();
+            __m256i tot[2][TR];
+            for (int s = 0; s < ns; s++)
+                for (int r = 0; r < TR; r++) tot[s][r] = _mm256_setzero_si256();
             for (int j = 0; j < 8; j++) {
                 const int8_t *xb = qp + (8 * g + j) * TR * 32;
-                const uint8_t *wj = u->codes + (sg * 8 + j) * 256;
                 for (int k0 = 0; k0 < 8; k0 += W) {
-                    __m256i h[TR];
+                    __m256i h[2][TR];
                     /* unrolled: GCC left Q4_K's 8 steps a loop, its first-step test (k == k0) a branch
                      * in every step and its counters as many instructions as the products (Q4_K 32
                      * rows 1.11x, 128 rows 1.14x as fast unrolled; the other types unchanged) */
 #pragma GCC unroll 8
                     for (int k = k0; k < k0 + W; k++) {
-                        const __m256i wv = _mm256_load_si256((const __m256i *)(wj + k * 32));
+                        __m256i wv[2];
+                        for (int s = 0; s < ns; s++)
+                            wv[s] = _mm256_load_si256((const __m256i *)(u->codes + ((sg0 + s * ng + g) * 8 + j) * 256 + k * 32));
                         for (int r = 0; r < TR; r++) {
                             int32_t x4;
                             memcpy(&x4, xb + r * 32 + k * 4, 4);
-                            const __m256i p = _mm256_maddubs_epi16(wv, _mm256_set1_epi32(x4));
-                            h[r] = k == k0 ? p : _mm256_add_epi16(h[r], p);
-                            if (W > 2) NS_KEEP_IN_REGISTER(h[r]); /* a chain per row: see int8_gemm.c's tile_partials */
+                            const __m256i xv = _mm256_set1_epi32(x4);
+                            for (int s = 0; s < ns; s++) {
+                                const __m256i p = _mm256_maddubs_epi16(wv[s], xv);
+                                h[s][r] = k == k0 ? p : _mm256_add_epi16(h[s][r], p);
+                                if (W > 2) NS_KEEP_IN_REGISTER(h[s][r]); /* a chain per row: see int8_gemm.c's tile_partials */
+                            }
                         }
                     }
-                    const __m256i sc = _mm256_load_si256((const __m256i *)(u->sc + sg * 256 + (2 * j + k0 / 4) * 16));
-                    for (int r = 0; r < TR; r++) {
-                        tot[r] = _mm256_add_epi32(tot[r], _mm256_madd_epi16(h[r], sc));
+                    for (int s = 0; s < ns; s++) {
+                        const __m256i sc = _mm256_load_si256((const __m256i *)(u->sc + (sg0 + s * ng + g) * 256 + (2 * j + k0 / 4) * 16));
+                        for (int r = 0; r < TR; r++) tot[s][r] = _mm256_add_epi32(tot[s][r], _mm256_madd_epi16(h[s][r], sc));
                     }
                 }
             }
-            /* the minimums' dot with x's sums of codes, as integers (the same integer as k_stream_row's M_g,
-             * which takes Q4_K / Q5_K's sums per 16): one vpmaddwd per pair of x's sums and row */
-            __m256i md[TR];
-            for (int r = 0; r < TR; r++) md[r] = _mm256_setzero_si256();
-            const int16_t *qs32 = xq->qs32 + qs32_index(i, nb, g * 8); /* the panel's pairs, rows side by side */
-            for (int l2 = 0; l2 < K_MIN_PAIRS(t); l2++) {
-                const __m256i mn = _mm256_load_si256((const __m256i *)(u->mn + (sg * 8 + l2) * 16));
-                for (int r = 0; r < TR; r++) {
-                    int32_t pair;
-                    memcpy(&pair, K_MIN_PAIRS(t) == 4 ? qs32 + (l2 * TR + r) * 2
-                                                      : xq->qs16 + ((i + r) * nb + g * 8) * 2 + 2 * l2, 4);
-                    md[r] = _mm256_add_epi32(md[r], _mm256_madd_epi16(mn, _mm256_set1_epi32(pair)));
+            for (int s = 0; s < ns; s++) {
+                const int64_t sg = sg0 + s * ng + g;
+                /* the minimums' dot with x's sums of codes, as integers (the same integer as k_stream_row's M_g,
+                 * which takes Q4_K / Q5_K's sums per 16): one vpmaddwd per pair of x's sums and row */
+                __m256i md[TR];
+                for (int r = 0; r < TR; r++) md[r] = _mm256_setzero_si256();
+                const int16_t *qs32 = xq->qs32 + qs32_index(i, nb, g * 8); /* the panel's pairs, rows side by side */
+                for (int l2 = 0; l2 < K_MIN_PAIRS(t); l2++) {
+                    const __m256i mn = _mm256_load_si256((const __m256i *)(u->mn + (sg * 8 + l2) * 16));
+                    for (int r = 0; r < TR; r++) {
+                        int32_t pair;
+                        memcpy(&pair, K_MIN_PAIRS(t) == 4 ? qs32 + (l2 * TR + r) * 2
+                                                          : xq->qs16 + ((i + r) * nb + g * 8) * 2 + 2 * l2, 4);
+                        md[r] = _mm256_add_epi32(md[r], _mm256_madd_epi16(mn, _mm256_set1_epi32(pair)));
+                    }
                 }
+                const __m256 d = _mm256_load_ps(u->d + sg * SUB), dmin = _mm256_load_ps(u->dmin + sg * SUB);
+                for (int r = 0; r < TR; r++)
+                    k_fold(tot[s][r], md[r], d, dmin, _mm256_set1_ps(xq->xk[(i + r) * ngx + g]), &acc[s][r], &m[s][r]);
             }
-            const __m256 d = _mm256_load_ps(u->d + sg * SUB), dmin = _mm256_load_ps(u->dmin + sg * SUB);
-            for (int r = 0; r < TR; r++)
-                k_fold(tot[r], md[r], d, dmin, _mm256_set1_ps(xq->xk[(i + r) * ngx + g]), &acc[r], &m[r]);
         }
-        for (int r = 0; r < TR; r++) {
-            part[r][j8] = acc[r];
-            m_part[r][j8] = m[r];
-        }
+        for (int s = 0; s < ns; s++)
+            for (int r = 0; r < TR; r++) {
+                part[s][r][j8] = acc[s][r];
+                m_part[s][r][j8] = m[s][r];
+            }
     }
-    for (int r = 0; r < TR; r++) y[r] = _mm256_add_ps(sum_partials(part[r]), sum_partials(m_part[r]));
+    for (int s = 0; s < ns; s++)
+        for (int r = 0; r < TR; r++) y[s][r] = _mm256_add_ps(sum_partials(part[s][r]), sum_partials(m_part[s][r]));
 }
 
 /* One group of weight rows (n0 .. n0 + cols - 1) against rows i0 .. i0 + M - 1 of x. */
@@ -336,18 +352,22 @@ NS_ALWAYS_INLINE void k_gemm_group(int t, const QuantizedRows *xq, const BlockWe
     for (int64_t r0 = 0; r0 < M; r0 += TR) {
         const int8_t *qp = xq->q + ((i0 + r0) / TR) * nb * TR * 32;
         const int64_t rows = M - r0 < TR ? M - r0 : TR;
-        for (int64_t s = 0; s < sets; s++) {
-            __m256 y[TR];
-            k_tile(t, xq, qp, i0 + r0, nb, &u, s * ng, y);
-            prefetch_slice(&next);
-            const int64_t width = cols - s * SUB < SUB ? cols - s * SUB : SUB;
-            for (int64_t r = 0; r < rows; r++) {
-                float *o = out + (i0 + r0 + r) * ldo + n0 + s * SUB;
-                if (width == SUB) _mm256_storeu_ps(o, y[r]);
-                else {
-                    _Alignas(32) float tmp[SUB];
-                    _mm256_store_ps(tmp, y[r]);
-                    memcpy(o, tmp, sizeof(float) * (size_t)width);
+        for (int64_t s = 0; s < sets; s += K_TILE_SETS(t)) {
+            __m256 y[2][TR];
+            const int ns = s + 1 < sets && K_TILE_SETS(t) == 2 ? 2 : 1;
+            if (ns == 2) k_tile(t, 2, xq, qp, i0 + r0, nb, &u, s * ng, y);
+            else k_tile(t, 1, xq, qp, i0 + r0, nb, &u, s * ng, y);
+            for (int q = 0; q < ns; q++) prefetch_slice(&next); /* one slice per set, as next_group_prefetch counts */
+            for (int q = 0; q < ns; q++) {
+                const int64_t width = cols - (s + q) * SUB < SUB ? cols - (s + q) * SUB : SUB;
+                for (int64_t r = 0; r < rows; r++) {
+                    float *o = out + (i0 + r0 + r) * ldo + n0 + (s + q) * SUB;
+                    if (width == SUB) _mm256_storeu_ps(o, y[q][r]);
+                    else {
+                        _Alignas(32) float tmp[SUB];
+                        _mm256_store_ps(tmp, y[q][r]);
+                        memcpy(o, tmp, sizeof(float) * (size_t)width);
+                    }
                 }
             }
         }
