@@ -170,7 +170,7 @@ def _weight_buffer(nbytes: int) -> torch.Tensor:
     advised as huge pages (madvise MADV_HUGEPAGE: this host's THP mode is `madvise`, and PyTorch's
     allocator advises none). A decode step streams every weight once; on 4 KiB pages each page costs a
     TLB walk when its turn comes. Measured, SmolLM2 F16's output projection (57 MB, one row, caches and
-    TLB cold): 2.49-2.52 -> 1.51-1.55 ms. The padding before the boundary is never touched, so it is not
+    TLB cold): 2.49-2.52 -> 1.63-1.83 ms. The padding before the boundary is never touched, so it is not
     resident; where the kernel has no free huge page the buffer works on small pages."""
     if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(nbytes, dtype=torch.uint8)
