@@ -22,7 +22,7 @@
 
 /* One super-block's scales as its integer products need them. Every type's codes are unsigned (Q6_K's
  * stored 0..63, its offset of 32 taken as a minimum; Q3_K's 0..7, offset 4), so each sub-block is one
- * vpmaddubsw and one vpmaddwd by its multipliers sc[j]: 16 int16, Q4_K / Q5_K's six-bit scale in every
+ * vpmaddubsw and one vpmaddwd by its multipliers k_sc(t, ks, j): 16 int16, Q4_K / Q5_K's six-bit scale in every
  * lane, Q2_K / Q3_K / Q6_K the scale of weights 0..15 in lanes 0-7 and of 16..31 in 8-15 (the layout of
  * vpmaddubsw's pair sums). pairs: the scale of each 16 weights, mn16: their minimum, 16 int16 each (lane l:
  * weights 16 l..; Q4_K / Q5_K: the sub-block's scale or minimum twice; Q2_K: its four-bit minimums; Q3_K
@@ -30,7 +30,7 @@
  * 4 * 63 * 127 * 128 (Q6_K), a super-block's eight times that. mn32 (Q4_K / Q5_K): the eight minimums as
  * int16 in lanes 0..7 (pairs (2p, 2p + 1) in 32-bit lane p), for the GEMM's products with x's sums per 32. */
 typedef struct {
-    __m256i sc[8];
+    __m256i sc_low, sc_high; /* the int16 scales k_sc picks from: those of sub-blocks 0..3 and 4..7 */
     __m256i pairs, mn16, mn32;
     float d, dmin;
 } KIntScales;
@@ -48,11 +48,8 @@ NS_ALWAYS_INLINE void k_int_scales(int t, const uint8_t *p, KIntScales *ks) {
          * scale 2j in the low half and 2j + 1 in the high half, one byte shuffle of scales 0..7 (j < 4) or
          * 8..15 in both halves */
         const __m256i all = _mm256_cvtepi8_epi16(sc);
-        const __m256i low8 = _mm256_permute2x128_si256(all, all, 0x00), high8 = _mm256_permute2x128_si256(all, all, 0x11);
-        for (int j = 0; j < 8; j++) {
-            const int32_t a = 0x01000100 + 0x02020202 * ((2 * j) & 7), b = a + 0x02020202;
-            ks->sc[j] = _mm256_shuffle_epi8(j < 4 ? low8 : high8, _mm256_setr_epi32(a, a, a, a, b, b, b, b));
-        }
+        ks->sc_low = _mm256_permute2x128_si256(all, all, 0x00);
+        ks->sc_high = _mm256_permute2x128_si256(all, all, 0x11);
         const __m128i mn = t == T_Q2_K ? _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)p), 4),
                                                        _mm_set1_epi8(0x0F)) : sc;
         ks->pairs = all;
@@ -74,8 +71,7 @@ NS_ALWAYS_INLINE void k_int_scales(int t, const uint8_t *p, KIntScales *ks) {
     const __m128i sv = _mm_cvtsi64_si128((long long)scales), mv = _mm_cvtsi64_si128((long long)mins);
     /* sub-block j's multipliers: its scale (int16 lane j of the eight, in both halves) in every lane */
     const __m256i s16 = _mm256_cvtepu8_epi16(sv); /* scales <= 63 */
-    const __m256i both = _mm256_permute2x128_si256(s16, s16, 0x00);
-    for (int j = 0; j < 8; j++) ks->sc[j] = _mm256_shuffle_epi8(both, _mm256_set1_epi16((int16_t)(0x0100 + 0x0202 * j)));
+    ks->sc_low = ks->sc_high = _mm256_permute2x128_si256(s16, s16, 0x00);
     /* a scale (minimum) per 32 weights: sub-block j's in both int16 of 32-bit lane j */
     const __m256i s32 = _mm256_cvtepu8_epi32(sv), m32 = _mm256_cvtepu8_epi32(mv);
     ks->pairs = _mm256_or_si256(s32, _mm256_slli_epi32(s32, 16));
@@ -83,6 +79,15 @@ NS_ALWAYS_INLINE void k_int_scales(int t, const uint8_t *p, KIntScales *ks) {
     ks->mn32 = _mm256_cvtepu8_epi16(mv);
     ks->d = f16_at(p);
     ks->dmin = f16_at(p + 2);
+}
+
+/* Sub-block j's vpmaddwd multipliers (KIntScales), one byte shuffle where they are used, not eight
+ * vectors held from k_int_scales on (they spilled to the stack). */
+NS_ALWAYS_INLINE __m256i k_sc(int t, const KIntScales *ks, int j) {
+    if (t == T_Q4_K || t == T_Q5_K) return _mm256_shuffle_epi8(ks->sc_low, _mm256_set1_epi16((int16_t)(0x0100 + 0x0202 * j)));
+    /* scale 2j in the low half and 2j + 1 in the high half: of scales 0..7 (j < 4) or 8..15 */
+    const int32_t a = 0x01000100 + 0x02020202 * ((2 * j) & 7), b = a + 0x02020202;
+    return _mm256_shuffle_epi8(j < 4 ? ks->sc_low : ks->sc_high, _mm256_setr_epi32(a, a, a, a, b, b, b, b));
 }
 
 /* The codes of sub-block j, unsigned (see KIntScales), and their integer products with x's codes times
@@ -173,7 +178,7 @@ NS_ALWAYS_INLINE void k_stream_row(int t, const QuantizedRows *xq, const uint8_t
                 for (int64_t i = 0; i < M; i++) {
                     const int64_t off = quantized_row_offset(i0 + i, nb) + (8 * g + j) * TR;
                     const __m256i xv = _mm256_load_si256((const __m256i *)(xq->q + off * 32));
-                    isum[i] = _mm256_add_epi32(isum[i], k_dot(w, xv, ks.sc[j]));
+                    isum[i] = _mm256_add_epi32(isum[i], k_dot(w, xv, k_sc(t, &ks, j)));
                     NS_KEEP_IN_REGISTER(isum[i]);
                 }
             }
