@@ -114,11 +114,11 @@ NS_ALWAYS_INLINE __m256i q6_k_unsigned_codes(const uint8_t *p, int j) {
     const int h = j >> 2, part = j & 3;
     __m256i ql = _mm256_loadu_si256((const __m256i *)(p + h * 64 + (part & 1) * 32));
     ql = _mm256_and_si256(part >> 1 ? _mm256_srli_epi16(ql, 4) : ql, _mm256_set1_epi8(0x0F));
+    /* the high bits 2 part, 2 part + 1 of each byte moved to bits 4, 5 in one 16-bit shift (4 - 2 part
+     * places, left or right; part 2: none), the bits it carries across bytes masked off */
     __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + h * 32));
-    qh = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * part), _mm256_set1_epi8(3));
-    /* (qh << 4) without a byte shift: qh is 0..3, so qh * 16 = qh shifted within its byte */
-    qh = _mm256_and_si256(_mm256_slli_epi32(qh, 4), _mm256_set1_epi8(0x30));
-    return _mm256_or_si256(ql, qh);
+    qh = part == 0 ? _mm256_slli_epi16(qh, 4) : part == 1 ? _mm256_slli_epi16(qh, 2) : part == 3 ? _mm256_srli_epi16(qh, 2) : qh;
+    return _mm256_or_si256(ql, _mm256_and_si256(qh, _mm256_set1_epi8(0x30)));
 }
 
 /* Q2_K's codes of sub-block j (0..7), 0..3: two bits of each of 32 bytes (bytes 32 (j / 4) on, bits
