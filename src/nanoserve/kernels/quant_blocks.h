@@ -28,10 +28,12 @@
 
 #define NS_ALWAYS_INLINE static inline __attribute__((always_inline))
 
-/* How far ahead of its reads every streaming kernel (a decode step's products, any weight type)
- * prefetches the weights: farther than the hardware prefetcher reaches alone. Measured 2026-12-03
- * (AMD EPYC, 2 threads, `nanoserve bench kernels --types F16,BF16 --rows 1 --k 1536`): F16 at 1 row
- * 9.5-12.1 ms without, 4.2-7.0 with it. */
+/* How far ahead of its reads a streaming kernel (a decode step's products, any weight type) asks for
+ * the weights, where it asks: with several rows of x (floats: rows read in several passes). Measured
+ * 2026-12-03 (AMD EPYC, 2 threads, `nanoserve bench kernels --types F16,BF16 --rows 1 --k 1536`): F16 at
+ * 1 row 9.5-12.1 ms without, 4.2-7.0 with it. Measured again 2026-12-06 (weights 4x the L3): in one pass
+ * at one row the hardware's prefetch alone was faster for every type (F16 1.25x, Q4_K 1.08-1.13x, Q8_0
+ * 1.11x), with 4-8 rows slower (F16 0.67-0.83x, Q6_K 0.80x); each kernel says where it asks. */
 #define STREAM_PREFETCH_BYTES 4096
 
 /* The block types, for the switches that instantiate a kernel per type (X(type) per entry). */
