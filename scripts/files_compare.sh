@@ -6,7 +6,17 @@
 # Usage: LLAMA_SERVER=... scripts/files_compare.sh FILE.gguf... (prints one JSON line per level).
 cd "$(dirname "$0")/.."
 OUTPUT_LEN=${OUTPUT_LEN:-64}
-wait_up() { for i in $(seq 300); do curl -sf "$1" >/dev/null && return 0; sleep 1; done; return 1; }
+# Up when $1 answers and the server started here ($2) is still running: a server left on the port would
+# answer in its place (its own file's figures under this file's name).
+wait_up() {
+    if curl -sf "$1" >/dev/null; then echo "files_compare: $1 already answers; stop that server first" >&2; exit 1; fi
+    for i in $(seq 300); do
+        kill -0 "$2" 2>/dev/null || { echo "files_compare: the server for $1 exited (see /tmp/files-*.log)" >&2; exit 1; }
+        curl -sf "$1" >/dev/null && return 0
+        sleep 1
+    done
+    echo "files_compare: $1 not up after 300 s" >&2; exit 1
+}
 tree_rss_mib() {  # resident memory of a process and all its descendants
     ps -e -o pid=,ppid=,rss= | awk -v root="$1" '{p[$1]=$2; r[$1]=$3} END {
         for (x in p) { y=x; while (y && y != root) y=p[y]; if (y == root) s += r[x] } printf "%.0f", s/1024 }'
@@ -15,7 +25,7 @@ for M in "$@"; do
     name=$(basename "$M" .gguf)
     .venv/bin/nanoserve serve "$M" --port 8031 --kv-cache-memory 0.36 > "/tmp/files-nano-$name.log" 2>&1 &
     pid=$!
-    wait_up http://127.0.0.1:8031/health
+    wait_up http://127.0.0.1:8031/health $pid
     .venv/bin/nanoserve bench serve --url http://127.0.0.1:8031 --concurrency 1,8,32 --output-len "$OUTPUT_LEN" \
         --label "nanoserve $name" --json
     sleep 3  # resident memory once the load is over (the engine hands freed heap back when it goes idle)
@@ -24,7 +34,7 @@ for M in "$@"; do
     if [ -x "${LLAMA_SERVER:-}" ]; then
         "$LLAMA_SERVER" -m "$M" --port 8032 -t 2 -tb 2 -np 32 -c 16384 -cb > "/tmp/files-llama-$name.log" 2>&1 &
         pid=$!
-        wait_up http://127.0.0.1:8032/health
+        wait_up http://127.0.0.1:8032/health $pid
         .venv/bin/nanoserve bench serve --url http://127.0.0.1:8032 --concurrency 1,8,32 --output-len "$OUTPUT_LEN" \
             --label "llama-server $name" --json
         sleep 3
