@@ -100,7 +100,8 @@ def main(argv=None) -> None:
                 label = dtype if act == "auto" else f"{dtype}, {act} activations"
                 label += "" if backend == "auto" else f", {backend} backend"
                 rows.append((name, f"nanoserve {label}", ours, ratio))
-                print(f"{name:45s} nanoserve {label:12s} {ours:8.1f} tok/s  x{ratio:.2f}", flush=True)
+                versus = f"  x{ratio:.2f}" if base else ""  # --skip-baseline: nothing to compare with
+                print(f"{name:45s} nanoserve {label:12s} {ours:8.1f} tok/s{versus}", flush=True)
     print("\n| workload | engine | output tok/s | vs transformers |\n|---|---|---|---|")
     for name, engine, tps, ratio in rows:
-        print(f"| {name} | {engine} | {tps:.1f} | {ratio:.2f}x |")
+        print(f"| {name} | {engine} | {tps:.1f} | {f'{ratio:.2f}x' if ratio == ratio else '-'} |")
