@@ -107,9 +107,10 @@ static inline void transpose8x32(const __m256i *in, __m256i *out) {
 }
 
 /* The streaming kernels (decode steps): up to STREAM_MAX_ROWS rows of x against one weight row at a
- * time, each thread's weight rows one sequential stream, prefetched STREAM_PREFETCH_BYTES ahead
- * (quant_blocks.h). Several weight rows side by side were measured no faster (2026-12-03, AMD EPYC:
- * 2 or 4 rows at 1 row of x, 12% faster on weights in cache, up to 2x slower on weights 4x the L3). */
+ * time, each thread's weight rows one sequential stream (with 2+ rows of x prefetched
+ * STREAM_PREFETCH_BYTES ahead, quant_blocks.h). Several weight rows side by side were measured no faster
+ * (2026-12-03, AMD EPYC: 2 or 4 rows at 1 row of x, 12% faster on weights in cache, up to 2x slower on
+ * weights 4x the L3; 2026-12-06, two adjacent rows: equal in L3, 0.54-0.73x from memory). */
 #define STREAM_MAX_ROWS 8 /* measured (nanoserve bench kernels, 65536 x 2048, 2026-12-03): at 6 and 8 rows
                              * the interleaved GEMM took 1.0-2.5x the streaming time (Q4_1 1.0-1.35x,
                              * Q5_0 2.0-2.5x, Q8_0 1.4-1.9x); at 16 it is faster */
