@@ -4,7 +4,7 @@
 cd "$(dirname "$0")/.."
 M=$(.venv/bin/python -c "from nanoserve.model.loader import default_model_path; print(default_model_path())")
 B=".venv/bin/nanoserve bench serve --num-prompts 8 --concurrency 1"
-wait_up() { for i in $(seq 120); do curl -sf "$1" >/dev/null && return 0; sleep 1; done; return 1; }
+. scripts/wait_up.sh
 for round in $(seq ${ROUNDS:-3}); do
   .venv/bin/nanoserve bench offline --skip-baseline --workloads single 2>&1 | grep "batch-1"
   .venv/bin/nanoserve serve --port 8031 > /tmp/c1-nano.log 2>&1 &

@@ -8,7 +8,7 @@
 # finds the prompts of the one before in the cache.
 cd "$(dirname "$0")/.."
 B=".venv/bin/nanoserve bench serve --workload shared-prefix --num-prefixes 16 --prefix-len 400 --input-len 50 --output-len 64 --num-prompts 96"
-wait_up() { for i in $(seq 120); do curl -sf "$1" >/dev/null && return 0; sleep 1; done; return 1; }
+. scripts/wait_up.sh
 run() {  # label, serve flags...
     local label=$1; shift
     for rate in 0 2; do

@@ -6,17 +6,7 @@
 # Usage: LLAMA_SERVER=... scripts/files_compare.sh FILE.gguf... (prints one JSON line per level).
 cd "$(dirname "$0")/.."
 OUTPUT_LEN=${OUTPUT_LEN:-64}
-# Up when $1 answers and the server started here ($2) is still running: a server left on the port would
-# answer in its place (its own file's figures under this file's name).
-wait_up() {
-    if curl -sf "$1" >/dev/null; then echo "files_compare: $1 already answers; stop that server first" >&2; exit 1; fi
-    for i in $(seq 300); do
-        kill -0 "$2" 2>/dev/null || { echo "files_compare: the server for $1 exited (see /tmp/files-*.log)" >&2; exit 1; }
-        curl -sf "$1" >/dev/null && return 0
-        sleep 1
-    done
-    echo "files_compare: $1 not up after 300 s" >&2; exit 1
-}
+. scripts/wait_up.sh
 tree_rss_mib() {  # resident memory of a process and all its descendants
     ps -e -o pid=,ppid=,rss= | awk -v root="$1" '{p[$1]=$2; r[$1]=$3} END {
         for (x in p) { y=x; while (y && y != root) y=p[y]; if (y == root) s += r[x] } printf "%.0f", s/1024 }'

@@ -6,7 +6,7 @@
 cd "$(dirname "$0")/.."
 M=$(.venv/bin/python -c "from nanoserve.model.loader import default_model_path; print(default_model_path())")
 B=".venv/bin/nanoserve bench serve --num-prompts 6"
-wait_up() { for i in $(seq 120); do curl -sf "$1" >/dev/null && return 0; sleep 1; done; return 1; }
+. scripts/wait_up.sh
 .venv/bin/nanoserve bench offline --skip-baseline --workloads single 2>&1 | tail -4
 for spec in 0 4; do
     .venv/bin/nanoserve serve --port 8031 --speculative-ngram $spec > /tmp/bench-lat-$spec.log 2>&1 &

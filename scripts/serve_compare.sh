@@ -6,7 +6,7 @@
 # binary built from that package's vendored llama.cpp.
 cd "$(dirname "$0")/.."
 M=$(.venv/bin/python -c "from nanoserve.model.loader import default_model_path; print(default_model_path())")
-wait_up() { for i in $(seq 120); do curl -sf "$1" >/dev/null && return 0; sleep 1; done; return 1; }
+. scripts/wait_up.sh
 .venv/bin/nanoserve serve --port 8021 > /tmp/bench-nano.log 2>&1 &
 wait_up http://127.0.0.1:8021/health
 .venv/bin/nanoserve bench serve --url http://127.0.0.1:8021 --concurrency 1,8,32 --label "nanoserve (1 API server)"
