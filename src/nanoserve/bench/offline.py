@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import os
 import time
 
@@ -104,4 +105,4 @@ def main(argv=None) -> None:
                 print(f"{name:45s} nanoserve {label:12s} {ours:8.1f} tok/s{versus}", flush=True)
     print("\n| workload | engine | output tok/s | vs transformers |\n|---|---|---|---|")
     for name, engine, tps, ratio in rows:
-        print(f"| {name} | {engine} | {tps:.1f} | {f'{ratio:.2f}x' if ratio == ratio else '-'} |")
+        print(f"| {name} | {engine} | {tps:.1f} | {'-' if math.isnan(ratio) else f'{ratio:.2f}x'} |")
