@@ -178,11 +178,11 @@ NS_ALWAYS_INLINE void k_stream_row(int t, const QuantizedRows *xq, const uint8_t
             /* unrolled, so that each sub-block's shifts and offsets in k_codes are constants */
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {
-                const __m256i w = k_unsigned_codes(t, p, j);
+                const __m256i w = k_unsigned_codes(t, p, j), sc = k_sc(t, &ks, j);
                 for (int64_t i = 0; i < M; i++) {
                     const int64_t off = quantized_row_offset(i0 + i, nb) + (8 * g + j) * TR;
                     const __m256i xv = _mm256_load_si256((const __m256i *)(xq->q + off * 32));
-                    isum[i] = _mm256_add_epi32(isum[i], k_dot(w, xv, k_sc(t, &ks, j)));
+                    isum[i] = _mm256_add_epi32(isum[i], k_dot(w, xv, sc));
                     NS_KEEP_IN_REGISTER(isum[i]);
                 }
             }
