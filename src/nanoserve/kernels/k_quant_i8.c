@@ -284,8 +284,9 @@ NS_ALWAYS_INLINE void k_unpack_group(int t, const BlockWeight *w, int64_t n0, in
 }
 
 /* ns (1 or 2, a literal) sets of SUB weight rows (their unpacked super-blocks from sg0 and sg0 + ng) against
- * one panel of TR rows of x (from row i of xq): the outputs of set s's rows, lane n for row n, in y[s][r].
- * Two sets share each broadcast of x's values (half the broadcasts per product). */
+ * one panel of TR rows of x (from row i of xq): the outputs of set s's rows without their minimum term
+ * (k_tile_min adds it), lane n for row n, in y[s][r]. Two sets share each broadcast of x's values (half
+ * the broadcasts per product). */
 NS_ALWAYS_INLINE void k_tile(int t, int ns, const QuantizedRows *xq, const int8_t *qp, int64_t i, int64_t nb,
                              const KGroup *u, int64_t sg0, __m256 y[2][TR]) {
     const int64_t ng = nb / 8, ngx = k_xs_groups(nb);
