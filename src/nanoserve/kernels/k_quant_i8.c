@@ -121,7 +121,7 @@ static inline void k_totals8(const __m256i *v, __m256i *tot, __m256i *min) {
 
 /* The fold of one super-block's integers (lanes: residues in k_stream_row, weight rows in k_tile) into
  * A_j and N_j: the one sequence of operations both kernels run, so that their results are identical
- * (the GEMM runs the two halves in separate loops: k_tile and k_tile_min). */
+ * (the GEMM may run the two halves in separate loops: K_MIN_APART). */
 NS_ALWAYS_INLINE void k_fold_sum(__m256i tot, __m256 d, __m256 xs, __m256 *acc) {
     *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_mul_ps(d, xs), *acc);
 }
@@ -283,19 +283,41 @@ NS_ALWAYS_INLINE void k_unpack_group(int t, const BlockWeight *w, int64_t n0, in
     }
 }
 
+/* The minimum term runs in its own loop (k_tile_min) where a tile holds two sets: inside k_tile its sums
+ * and accumulators made the two sets' spill (Q4_K 32 rows 1.05x, 128 rows 1.09-1.10x apart), while with
+ * one set it is cheaper inside (Q6_K, Q3_K, Q2_K 0.96-0.99x apart). Same operations per output either way. */
+#define K_MIN_APART(t) (K_TILE_SETS(t) == 2)
+
+/* The minimums' dot with x's sums of codes for super-block sg of one set and TR rows of x from row i, as
+ * integers (the same integer as k_stream_row's M_g, which takes Q4_K / Q5_K's sums per 16): one vpmaddwd
+ * per pair of x's sums and row. */
+NS_ALWAYS_INLINE void k_min_dot(int t, const QuantizedRows *xq, int64_t i, int64_t nb, const KGroup *u, int64_t sg,
+                                int64_t g, __m256i md[TR]) {
+    for (int r = 0; r < TR; r++) md[r] = _mm256_setzero_si256();
+    const int16_t *qs32 = xq->qs32 + qs32_index(i, nb, g * 8); /* the panel's pairs, rows side by side */
+    for (int l2 = 0; l2 < K_MIN_PAIRS(t); l2++) {
+        const __m256i mn = _mm256_load_si256((const __m256i *)(u->mn + (sg * 8 + l2) * 16));
+        for (int r = 0; r < TR; r++) {
+            int32_t pair;
+            memcpy(&pair, K_MIN_PAIRS(t) == 4 ? qs32 + (l2 * TR + r) * 2 : xq->qs16 + ((i + r) * nb + g * 8) * 2 + 2 * l2, 4);
+            md[r] = _mm256_add_epi32(md[r], _mm256_madd_epi16(mn, _mm256_set1_epi32(pair)));
+        }
+    }
+}
+
 /* ns (1 or 2, a literal) sets of SUB weight rows (their unpacked super-blocks from sg0 and sg0 + ng) against
- * one panel of TR rows of x (from row i of xq): the outputs of set s's rows without their minimum term
- * (k_tile_min adds it), lane n for row n, in y[s][r]. Two sets share each broadcast of x's values (half
- * the broadcasts per product). */
+ * one panel of TR rows of x (from row i of xq): the outputs of set s's rows (without their minimum term
+ * where K_MIN_APART: k_tile_min adds it), lane n for row n, in y[s][r]. Two sets share each broadcast of
+ * x's values (half the broadcasts per product). */
 NS_ALWAYS_INLINE void k_tile(int t, int ns, const QuantizedRows *xq, const int8_t *qp, int64_t i, int64_t nb,
                              const KGroup *u, int64_t sg0, __m256 y[2][TR]) {
     const int64_t ng = nb / 8, ngx = k_xs_groups(nb);
     const int W = K_WIDEN_STEPS(t);
-    __m256 part[2][TR][8]; /* per residue j: the fused multiply-adds over super-blocks j, j + 8, ... */
+    __m256 part[2][TR][8], m_part[2][TR][8]; /* per residue j: the fused multiply-adds over super-blocks j, j + 8, ... */
     for (int j8 = 0; j8 < 8; j8++) {
-        __m256 acc[2][TR];
+        __m256 acc[2][TR], m[2][TR];
         for (int s = 0; s < ns; s++)
-            for (int r = 0; r < TR; r++) acc[s][r] = _mm256_setzero_ps();
+            for (int r = 0; r < TR; r++) acc[s][r] = m[s][r] = _mm256_setzero_ps();
         for (int64_t g = j8; g < ng; g += 8) {
             __m256i tot[2][TR];
             for (int s = 0; s < ns; s++)
@@ -330,23 +352,33 @@ NS_ALWAYS_INLINE void k_tile(int t, int ns, const QuantizedRows *xq, const int8_
                 }
             }
             for (int s = 0; s < ns; s++) {
-                const __m256 d = _mm256_load_ps(u->d + (sg0 + s * ng + g) * SUB);
-                for (int r = 0; r < TR; r++) k_fold_sum(tot[s][r], d, _mm256_set1_ps(xq->xk[(i + r) * ngx + g]), &acc[s][r]);
+                const int64_t sg = sg0 + s * ng + g;
+                const __m256 d = _mm256_load_ps(u->d + sg * SUB);
+                if (K_MIN_APART(t)) {
+                    for (int r = 0; r < TR; r++) k_fold_sum(tot[s][r], d, _mm256_set1_ps(xq->xk[(i + r) * ngx + g]), &acc[s][r]);
+                    continue;
+                }
+                __m256i md[TR];
+                k_min_dot(t, xq, i, nb, u, sg, g, md);
+                const __m256 dmin = _mm256_load_ps(u->dmin + sg * SUB);
+                for (int r = 0; r < TR; r++)
+                    k_fold(tot[s][r], md[r], d, dmin, _mm256_set1_ps(xq->xk[(i + r) * ngx + g]), &acc[s][r], &m[s][r]);
             }
         }
         for (int s = 0; s < ns; s++)
-            for (int r = 0; r < TR; r++) part[s][r][j8] = acc[s][r];
+            for (int r = 0; r < TR; r++) {
+                part[s][r][j8] = acc[s][r];
+                m_part[s][r][j8] = m[s][r];
+            }
     }
     for (int s = 0; s < ns; s++)
-        for (int r = 0; r < TR; r++) y[s][r] = sum_partials(part[s][r]);
+        for (int r = 0; r < TR; r++)
+            y[s][r] = K_MIN_APART(t) ? sum_partials(part[s][r]) : _mm256_add_ps(sum_partials(part[s][r]), sum_partials(m_part[s][r]));
 }
 
 /* The minimum term of one set of SUB weight rows (unpacked super-blocks from sg0) against one panel of TR
- * rows of x (from row i): per super-block the minimums' dot with x's sums of codes, as integers (the same
- * integer as k_stream_row's M_g, which takes Q4_K / Q5_K's sums per 16), one vpmaddwd per pair of x's sums
- * and row; then N_j's fused multiply-adds over super-blocks j, j + 8, ... and their sum, lane n for
- * weight row n. Apart from k_tile, whose registers its sums and accumulators spilled (8192 x 2048, min of 3
- * alternations: Q4_K 32 rows 1.18x, 128 rows 1.12x as fast; Q6_K 1.05-1.10x; Q2_K 1.05x). */
+ * rows of x (from row i), where K_MIN_APART: per super-block k_min_dot, then N_j's fused multiply-adds over
+ * super-blocks j, j + 8, ... and their sum, lane n for weight row n. */
 NS_ALWAYS_INLINE void k_tile_min(int t, const QuantizedRows *xq, int64_t i, int64_t nb, const KGroup *u, int64_t sg0,
                                  __m256 y[TR]) {
     const int64_t ng = nb / 8, ngx = k_xs_groups(nb);
@@ -355,20 +387,9 @@ NS_ALWAYS_INLINE void k_tile_min(int t, const QuantizedRows *xq, int64_t i, int6
         __m256 m[TR];
         for (int r = 0; r < TR; r++) m[r] = _mm256_setzero_ps();
         for (int64_t g = j8; g < ng; g += 8) {
-            const int64_t sg = sg0 + g;
             __m256i md[TR];
-            for (int r = 0; r < TR; r++) md[r] = _mm256_setzero_si256();
-            const int16_t *qs32 = xq->qs32 + qs32_index(i, nb, g * 8); /* the panel's pairs, rows side by side */
-            for (int l2 = 0; l2 < K_MIN_PAIRS(t); l2++) {
-                const __m256i mn = _mm256_load_si256((const __m256i *)(u->mn + (sg * 8 + l2) * 16));
-                for (int r = 0; r < TR; r++) {
-                    int32_t pair;
-                    memcpy(&pair, K_MIN_PAIRS(t) == 4 ? qs32 + (l2 * TR + r) * 2
-                                                      : xq->qs16 + ((i + r) * nb + g * 8) * 2 + 2 * l2, 4);
-                    md[r] = _mm256_add_epi32(md[r], _mm256_madd_epi16(mn, _mm256_set1_epi32(pair)));
-                }
-            }
-            const __m256 dmin = _mm256_load_ps(u->dmin + sg * SUB);
+            k_min_dot(t, xq, i, nb, u, sg0 + g, g, md);
+            const __m256 dmin = _mm256_load_ps(u->dmin + (sg0 + g) * SUB);
             for (int r = 0; r < TR; r++) k_fold_min(md[r], dmin, _mm256_set1_ps(xq->xk[(i + r) * ngx + g]), &m[r]);
         }
         for (int r = 0; r < TR; r++) m_part[r][j8] = m[r];
@@ -390,7 +411,7 @@ NS_ALWAYS_INLINE void k_gemm_group(int t, const QuantizedRows *xq, const BlockWe
             const int ns = s + 1 < sets && K_TILE_SETS(t) == 2 ? 2 : 1;
             if (ns == 2) k_tile(t, 2, xq, qp, i0 + r0, nb, &u, s * ng, y);
             else k_tile(t, 1, xq, qp, i0 + r0, nb, &u, s * ng, y);
-            for (int q = 0; q < ns; q++) {
+            for (int q = 0; q < ns && K_MIN_APART(t); q++) {
                 __m256 m[TR];
                 k_tile_min(t, xq, i0 + r0, nb, &u, (s + q) * ng, m);
                 for (int r = 0; r < TR; r++) y[q][r] = _mm256_add_ps(y[q][r], m[r]);
