@@ -284,8 +284,9 @@ NS_ALWAYS_INLINE void k_unpack_group(int t, const BlockWeight *w, int64_t n0, in
 }
 
 /* The minimum term runs in its own loop (k_tile_min) where a tile holds two sets: inside k_tile its sums
- * and accumulators made the two sets' spill (Q4_K 32 rows 1.05x, 128 rows 1.09-1.10x apart), while with
- * one set it is cheaper inside (Q6_K, Q3_K, Q2_K 0.96-0.99x apart). Same operations per output either way. */
+ * and accumulators made the two sets' sums spill (8192 x 2048 against the term inside, alternated: Q4_K 32
+ * rows 1.04-1.05x, 128 rows 1.06-1.12x apart), while with one set it is cheaper inside (Q6_K, Q3_K, Q2_K
+ * 0.96-0.99x apart). Same operations per output either way. */
 #define K_MIN_APART(t) (K_TILE_SETS(t) == 2)
 
 /* The minimums' dot with x's sums of codes for super-block sg of one set and TR rows of x from row i, as
