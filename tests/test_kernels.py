@@ -93,14 +93,14 @@ def test_float_activation_product_matches_reference(qtype):
 
 
 @pytest.mark.parametrize("qtype, width", [(q, 512) for q in BLOCK_TYPES] +
-                         [(q, w) for q in BLOCK_TYPES if q not in K_TYPES for w in (576, 608)])
+                         [(q, w) for q in BLOCK_TYPES if q not in K_TYPES for w in (96, 576, 608)])
 def test_int8_activation_product_is_the_product_with_quantized_x(qtype, width):
     """On block types, int8 activations: equals x quantized per block (quant.quantize_activations) times
     the dequantized weight, to float32 summation error, at every row count; stays within ~2% of the
     exact product (5% on the K types, whose x takes one scale per 256 values as llama.cpp's Q8_K: the
     outlier channel coarsens its whole super-block, measured 3.7%); and each output row does not depend
-    on the rows around it. Widths: whole groups of 8 blocks, and rows that end 2 (SmolLM2's 576) or 3
-    blocks past one."""
+    on the rows around it. Widths: whole groups of 8 blocks, rows that end 2 (SmolLM2's 576) or 3
+    blocks past one, and rows of fewer than 8 blocks (96)."""
     w = random_weight(qtype, 70, width, seed=4)
     exact = w.dequantize().double()
     g = torch.Generator().manual_seed(2)

@@ -25,6 +25,10 @@
  * int32: 8 steps of 4-bit codes (16 products, 16 * 15 * 127 < 32767), 4 of 5-bit codes, 1 of 8-bit codes. */
 #define WIDEN_STEPS(t) ((t) == T_Q4_0 || (t) == T_Q4_1 ? 8 : (t) == T_Q5_0 || (t) == T_Q5_1 ? 4 : 1)
 
+/* The signed 8-bit types whose GEMM multiplies int16 codes (vpmaddwd on x's codes widened to int16,
+ * QuantizedRows.q16): two multiplies per 32 products where vpsignb, vpmaddubsw and vpmaddwd are three. */
+#define GEMM_INT16(t) ((t) == T_Q8_0 || (t) == T_IQ4_NL)
+
 static inline float hmax8(__m256 v) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));
@@ -122,7 +126,7 @@ static inline void prefetch_rows(const BlockWeight *w, int64_t first, int64_t co
 NS_ALWAYS_INLINE void unpack_group(int t, const BlockWeight *w, int64_t n0, int64_t cols, int64_t nb, uint8_t *wu,
                                    uint8_t *wa, float *dv, float *mt) {
     const int64_t sets = (cols + SUB - 1) / SUB;
-    if (cols < NGI) memset(mt, 0, sizeof(float) * (size_t)(nb * NGI)); /* else decode32 writes every minimum */
+    if (cols < NGI && !TYPE_SIGNED(t)) memset(mt, 0, sizeof(float) * (size_t)(nb * NGI)); /* else decode32 writes every minimum */
     for (int64_t g = 0; g < sets; g++) {
         const uint8_t *rows[SUB];
         const int64_t live = cols - g * SUB < SUB ? cols - g * SUB : SUB;
@@ -136,18 +140,42 @@ NS_ALWAYS_INLINE void unpack_group(int t, const BlockWeight *w, int64_t n0, int6
                     const Sub32 s = decode32(t, rows[n], b);
                     q[n] = s.q;
                     d = s.s0;
-                    mt[b * NGI + g * SUB + n] = s.m;
+                    if (!TYPE_SIGNED(t)) mt[b * NGI + g * SUB + n] = s.m;
                 } else
                     q[n] = _mm256_setzero_si256();
                 dv[(g * nb + b) * SUB + n] = d;
             }
             transpose8x32(q, steps);
+            if (GEMM_INT16(t)) {
+                /* step k as two int16 vectors [row][2 codes]: weights 4k, 4k + 1 and 4k + 2, 4k + 3 */
+                static const uint8_t pairs[32] = {0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                                  0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15};
+                const __m256i pick = _mm256_loadu_si256((const __m256i *)pairs);
+                int16_t *dst = (int16_t *)wu + (g * nb + b) * 256;
+                for (int k = 0; k < 8; k++) {
+                    const __m256i v = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(steps[k], pick), 0xD8);
+                    _mm256_store_si256((__m256i *)(dst + k * 32), _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)));
+                    _mm256_store_si256((__m256i *)(dst + k * 32 + 16), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1)));
+                }
+                continue;
+            }
             uint8_t *dst = wu + (g * nb + b) * 256, *adst = wa + (g * nb + b) * 256;
             for (int k = 0; k < 8; k++) {
                 _mm256_store_si256((__m256i *)(dst + k * 32), steps[k]);
                 if (TYPE_SIGNED(t)) _mm256_store_si256((__m256i *)(adst + k * 32), _mm256_abs_epi8(steps[k]));
             }
         }
+    }
+}
+
+/* Outputs of one set of weight rows (lane n: row n) to o, the first `width` of them (SUB but at the
+ * matrix's last rows). */
+static inline void store_outputs(float *o, __m256 y, int64_t width) {
+    if (width == SUB) _mm256_storeu_ps(o, y);
+    else {
+        _Alignas(32) float tmp[SUB];
+        _mm256_store_ps(tmp, y);
+        memcpy(o, tmp, sizeof(float) * (size_t)width);
     }
 }
 
@@ -197,6 +225,88 @@ NS_ALWAYS_INLINE void tile_partials(int t, const int8_t *qp, const float *const 
     }
 }
 
+/* The GEMM_INT16 types' GEMM takes groups of NGI16 weight rows (two sets, which share each broadcast of x)
+ * and runs its tiles over INT16_CHUNK_BLOCKS blocks at a time, every panel of x through one chunk before
+ * the next, so that the chunk's codes (two sets: 16 KB) stay in L1 with x's (4 KB a panel): a whole row's
+ * int16 codes, twice as many bytes as the file's, do not fit there from K = 576 on. */
+#define NGI16 16
+#define GROUPS16_PER_TAKE 6 /* 96 rows a take, as GROUPS_PER_TAKE groups of NGI (N = 576: 6 takes, not 9 for 2 threads) */
+#define INT16_CHUNK_BLOCKS 24 /* a multiple of 8 */
+
+/* tile_partials for the GEMM_INT16 types over blocks b0 .. b1 - 1: ns (1 or 2, a literal) sets of SUB
+ * weight rows (int16 codes from w16, set s at s * nb * 256) against one panel of TR rows of x (q16), each
+ * broadcast of two of x's codes shared by the sets; per block the exact integer sum of 16 vpmaddwd, then
+ * tile_partials' fold into part (kept from the chunk before: for each residue j the fused multiply-adds
+ * go on over blocks j, j + 8, ... in order). */
+NS_ALWAYS_INLINE void tile_partials16(int ns, const int16_t *qp16, const float *const *sxr, const int16_t *w16,
+                                      const float *dv, int64_t nb, int64_t b0, int64_t b1, __m256 part[2][TR][8]) {
+    for (int64_t b = b0; b < b1; b++) {
+        const int16_t *x16 = qp16 + b * TR * 32;
+        __m256i tot[2][TR];
+        for (int s = 0; s < ns; s++)
+            for (int r = 0; r < TR; r++) tot[s][r] = _mm256_setzero_si256();
+#pragma GCC unroll 16
+        for (int k2 = 0; k2 < 16; k2++) { /* weights 2 k2, 2 k2 + 1 of each row */
+            __m256i wv[2];
+            for (int s = 0; s < ns; s++) {
+                wv[s] = _mm256_load_si256((const __m256i *)(w16 + (s * nb + b) * 256 + k2 * 16));
+                NS_KEEP_IN_REGISTER(wv[s]); /* loaded once, not once per row as a vpmaddwd operand */
+            }
+            for (int r = 0; r < TR; r++) {
+                int32_t x2;
+                memcpy(&x2, x16 + r * 32 + 2 * k2, 4);
+                const __m256i xv = _mm256_set1_epi32(x2);
+                for (int s = 0; s < ns; s++) {
+                    tot[s][r] = _mm256_add_epi32(tot[s][r], _mm256_madd_epi16(wv[s], xv));
+                    NS_KEEP_IN_REGISTER(tot[s][r]); /* one chain per output, as tile_partials' */
+                }
+            }
+        }
+        /* the fold into residue b mod 8's partial sum, in memory: held in registers through the block,
+         * the eight of them and the eight integer sums did not fit in sixteen */
+        for (int s = 0; s < ns; s++) {
+            const __m256 d = _mm256_load_ps(dv + (s * nb + b) * SUB);
+            for (int r = 0; r < TR; r++)
+                part[s][r][b & 7] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot[s][r]), _mm256_mul_ps(d, _mm256_broadcast_ss(sxr[r] + b)),
+                                                    b < 8 ? _mm256_setzero_ps() : part[s][r][b & 7]);
+        }
+    }
+}
+
+/* gemm_group for the GEMM_INT16 types (signed: no minimum term), NGI16 rows; part: the thread's
+ * partial sums for every panel of the M rows, [panel][2][TR][8]. */
+NS_ALWAYS_INLINE void gemm_group16(int t, const QuantizedRows *xq, const BlockWeight *w, float *out, int64_t ldo,
+                                   int64_t i0, int64_t M, int64_t nb, int64_t n0, int64_t cols, uint8_t *wu, float *dv,
+                                   __m256 (*part)[2][TR][8]) {
+    const int64_t panels = (M + TR - 1) / TR, nbx = xs_blocks(nb), chunks = (nb + INT16_CHUNK_BLOCKS - 1) / INT16_CHUNK_BLOCKS;
+    const int ns = cols > SUB ? 2 : 1;
+    unpack_group(t, w, n0, cols, nb, wu, NULL, dv, NULL);
+    if (nb < 8) memset(part, 0, sizeof(__m256) * (size_t)(panels * 2 * TR * 8)); /* else the first eight blocks set them */
+    NextGroupPrefetch next = next_group_prefetch(w, n0, cols, NGI16, GROUPS16_PER_TAKE, panels * chunks);
+    for (int64_t b0 = 0; b0 < nb; b0 += INT16_CHUNK_BLOCKS) {
+        const int64_t b1 = nb - b0 < INT16_CHUNK_BLOCKS ? nb : b0 + INT16_CHUNK_BLOCKS;
+        for (int64_t p = 0; p < panels; p++) {
+            const int16_t *qp16 = xq->q16 + (i0 / TR + p) * nb * TR * 32;
+            const float *sxr[TR];
+            for (int r = 0; r < TR; r++) sxr[r] = xq->sx + (i0 + p * TR + r) * nbx;
+            if (ns == 2) tile_partials16(2, qp16, sxr, (const int16_t *)wu, dv, nb, b0, b1, part[p]);
+            else tile_partials16(1, qp16, sxr, (const int16_t *)wu, dv, nb, b0, b1, part[p]);
+            prefetch_slice(&next);
+        }
+    }
+    for (int64_t p = 0; p < panels; p++)
+        for (int s = 0; s < ns; s++) {
+            const int64_t width = cols - s * SUB < SUB ? cols - s * SUB : SUB;
+            for (int64_t r = 0; r < TR && p * TR + r < M; r++) {
+                const int64_t i = i0 + p * TR + r;
+                /* + 0 as gemm_group's zero minimum term (the same result, -0 included) */
+                const __m256 y = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(xq->dx[i]), sum_partials(part[p][s][r])),
+                                               _mm256_setzero_ps());
+                store_outputs(out + i * ldo + n0 + s * SUB, y, width);
+            }
+        }
+}
+
 /* One group of weight rows (n0 .. n0 + cols - 1) against rows i0 .. i0 + M - 1 of x: unpack, minimum
  * terms, then the tiles. The scratch (wu, wa, dv, mt, m_terms) is the calling thread's. */
 NS_ALWAYS_INLINE void gemm_group(int t, const QuantizedRows *xq, const BlockWeight *w, float *out, int64_t ldo,
@@ -220,7 +330,7 @@ NS_ALWAYS_INLINE void gemm_group(int t, const QuantizedRows *xq, const BlockWeig
         for (int v = 0; v < NGI / 8; v++) _mm256_storeu_ps(m_terms + i * NGI + v * 8, sum_partials(part[v]));
     }
     if (TYPE_SIGNED(t)) memset(m_terms, 0, sizeof(float) * (size_t)(M * NGI));
-    NextGroupPrefetch next = next_group_prefetch(w, n0, cols, NGI, panels * sets);
+    NextGroupPrefetch next = next_group_prefetch(w, n0, cols, NGI, GROUPS_PER_TAKE, panels * sets);
     for (int64_t p = 0; p < panels; p++) {
         const int8_t *qp = xq->q + (i0 / TR + p) * nb * TR * 32;
         const int64_t rows = M - p * TR < TR ? M - p * TR : TR;
@@ -235,13 +345,7 @@ NS_ALWAYS_INLINE void gemm_group(int t, const QuantizedRows *xq, const BlockWeig
                 const int64_t i = p * TR + r;
                 const __m256 y = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(xq->dx[i0 + i]), sum_partials(part[r])),
                                                _mm256_loadu_ps(m_terms + i * NGI + g * SUB));
-                float *o = out + (i0 + i) * ldo + n0 + g * SUB;
-                if (width == SUB) _mm256_storeu_ps(o, y);
-                else {
-                    _Alignas(32) float tmp[SUB];
-                    _mm256_store_ps(tmp, y);
-                    memcpy(o, tmp, sizeof(float) * (size_t)width);
-                }
+                store_outputs(out + (i0 + i) * ldo + n0 + g * SUB, y, width);
             }
         }
     }
@@ -253,25 +357,32 @@ NS_ALWAYS_INLINE void gemm_group(int t, const QuantizedRows *xq, const BlockWeig
  * run-time value there (every decode32 would branch on it). */
 static void gemm_rows(const QuantizedRows *xq, const BlockWeight *w, float *out, int64_t ldo, int64_t i0, int64_t M,
                       int64_t nb, int64_t N) {
-    const int64_t groups = (N + NGI - 1) / NGI;
+    const int64_t group_rows = GEMM_INT16(w->type) ? NGI16 : NGI, groups = (N + group_rows - 1) / group_rows;
+    const int take = GEMM_INT16(w->type) ? GROUPS16_PER_TAKE : GROUPS_PER_TAKE;
 #pragma omp parallel
     {
-        uint8_t *wu = aligned_alloc(32, (size_t)(NGI * nb * 32));
+        uint8_t *wu = aligned_alloc(32, (size_t)(NGI * nb * 64)); /* int16 codes for GEMM_INT16 (NGI16 < NGI) */
+        __m256(*part)[2][TR][8] = GEMM_INT16(w->type) ? aligned_alloc(32, sizeof(__m256) * (size_t)((M + TR - 1) / TR * 2 * TR * 8)) : NULL;
         uint8_t *wa = aligned_alloc(32, (size_t)(NGI * nb * 32));
         float *dv = aligned_alloc(32, sizeof(float) * (size_t)(NGI * nb));
         float *mt = malloc(sizeof(float) * (size_t)(nb * NGI));
         float *m_terms = malloc(sizeof(float) * (size_t)(M * NGI)); /* [row][col] */
-#pragma omp for schedule(dynamic, GROUPS_PER_TAKE)
+#pragma omp for schedule(dynamic, take)
         for (int64_t g = 0; g < groups; g++) {
-            const int64_t n0 = g * NGI, cols = N - n0 < NGI ? N - n0 : NGI;
+            const int64_t n0 = g * group_rows, cols = N - n0 < group_rows ? N - n0 : group_rows;
             switch (w->type) {
-#define CASE(T) case T: gemm_group(T, xq, w, out, ldo, i0, M, nb, n0, cols, wu, wa, dv, mt, m_terms); break;
+#define CASE(T)                                                                                                  \
+    case T:                                                                                                      \
+        if (GEMM_INT16(T)) gemm_group16(T, xq, w, out, ldo, i0, M, nb, n0, cols, wu, dv, part);                \
+        else gemm_group(T, xq, w, out, ldo, i0, M, nb, n0, cols, wu, wa, dv, mt, m_terms);                     \
+        break;
                 FOR_EACH_BLOCK32_TYPE(CASE)
 #undef CASE
             default: break;
             }
         }
         free(wu);
+        free(part);
         free(wa);
         free(dv);
         free(mt);
@@ -394,9 +505,14 @@ void weight_gemm_i8(const float *x, const BlockWeight *w, float *out, int64_t M,
                         .sx = malloc(sizeof(float) * (size_t)(Mp * xs_blocks(nb))),
                         .qs16 = malloc(sizeof(int16_t) * (size_t)(Mp * nb * 2)),
                         .qs32 = malloc(sizeof(int16_t) * (size_t)(Mp * (nb + 1))),
-                        .xk = malloc(sizeof(float) * (size_t)(Mp * k_xs_groups(nb)))};
+                        .xk = malloc(sizeof(float) * (size_t)(Mp * k_xs_groups(nb))), .q16 = NULL};
     const int k_type = TYPE_IS_K(w->type);
     quantize_rows(x, M, Mp, K, k_type ? K_GROUP_BLOCKS : 1, &xq);
+    if (!k_type && M > STREAM_MAX_ROWS && GEMM_INT16(w->type)) { /* x's codes widened, for the GEMM */
+        xq.q16 = aligned_alloc(32, sizeof(int16_t) * (size_t)(Mp * K));
+        for (int64_t c = 0; c < Mp * K; c += 16)
+            _mm256_store_si256((__m256i *)(xq.q16 + c), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(xq.q + c))));
+    }
     if (!k_type && M <= STREAM_MAX_ROWS) stream_rows(&xq, w, out, ldo, M, nb);
     else /* k_gemm_i8 streams a chunk of up to STREAM_MAX_ROWS rows itself */
         for (int64_t i0 = 0; i0 < M; i0 += CHUNK_ROWS) {
@@ -412,4 +528,5 @@ void weight_gemm_i8(const float *x, const BlockWeight *w, float *out, int64_t M,
     free(xq.qs16);
     free(xq.qs32);
     free(xq.xk);
+    free(xq.q16);
 }

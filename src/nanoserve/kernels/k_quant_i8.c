@@ -403,7 +403,7 @@ NS_ALWAYS_INLINE void k_gemm_group(int t, const QuantizedRows *xq, const BlockWe
                                    int64_t i0, int64_t M, int64_t nb, int64_t n0, int64_t cols, KGroup u) {
     const int64_t ng = nb / 8, sets = (cols + SUB - 1) / SUB;
     k_unpack_group(t, w, n0, cols, nb, &u);
-    NextGroupPrefetch next = next_group_prefetch(w, n0, cols, NGI, (M + TR - 1) / TR * sets);
+    NextGroupPrefetch next = next_group_prefetch(w, n0, cols, NGI, GROUPS_PER_TAKE, (M + TR - 1) / TR * sets);
     for (int64_t r0 = 0; r0 < M; r0 += TR) {
         const int8_t *qp = xq->q + ((i0 + r0) / TR) * nb * TR * 32;
         const int64_t rows = M - r0 < TR ? M - r0 : TR;

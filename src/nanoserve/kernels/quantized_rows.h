@@ -30,6 +30,7 @@ typedef struct {
     float *dx, *sum, *sx;
     int16_t *qs16, *qs32;
     float *xk;
+    int16_t *q16; /* q widened to int16, same layout (int8_gemm.c's GEMM_INT16 types' GEMM; else NULL) */
 } QuantizedRows;
 
 /* Blocks per row of sx: nb rounded up to a multiple of 8 (the streaming kernels read 8 blocks at a time). */
@@ -147,7 +148,8 @@ static inline float finish(float dx, __m256 acc, float m_term) {
         }                                                                                                    \
         break;
 
-/* The GEMMs' threads take GROUPS_PER_TAKE groups of weight rows at a time (schedule(dynamic, 4)), so a
+/* The GEMMs' threads take GROUPS_PER_TAKE groups of weight rows at a time (schedule(dynamic, 4); `take`
+ * where groups are smaller: int8_gemm.c's GEMM_INT16 types), so a
  * thread knows the group it runs next but after the last of its take; it asks for that group's rows
  * (into L2) while its tiles compute the current one, a slice after each tile, so that the next unpack
  * finds them there. Measured (bench kernels, 16384 x 2048, alternated 4 times, minimum): 32-weight types
@@ -159,10 +161,10 @@ typedef struct {
 } NextGroupPrefetch;
 
 static inline NextGroupPrefetch next_group_prefetch(const BlockWeight *w, int64_t n0, int64_t cols, int64_t group_rows,
-                                                    int64_t tiles) {
+                                                    int64_t take, int64_t tiles) {
     const int64_t next0 = n0 + cols, rows = w->n - next0 < group_rows ? w->n - next0 : group_rows;
     NextGroupPrefetch p = {(const char *)w->data + next0 * w->row_bytes, 0, 0, 0};
-    if ((n0 / group_rows) % GROUPS_PER_TAKE != GROUPS_PER_TAKE - 1 && rows > 0) {
+    if ((n0 / group_rows) % take != take - 1 && rows > 0) {
         p.bytes = rows * w->row_bytes;
         p.slice = (p.bytes / tiles + 63) / 64 * 64;
     }

@@ -272,6 +272,12 @@ NS_INLINE __m256i _mm256_blendv_epi8(__m256i a, __m256i b, __m256i mask) {
     NS_LANES(32) a.b[l] = (mask.ub[l] & 0x80) ? b.b[l] : a.b[l];
     return a;
 }
+NS_INLINE __m256i _mm256_permute4x64_epi64(__m256i a, int imm) {
+    __m256i r;
+    NS_LANES(4) memcpy(&r.i[2 * l], &a.i[2 * ((imm >> (2 * l)) & 3)], 8);
+    return r;
+}
+
 NS_INLINE __m256i _mm256_permutevar8x32_epi32(__m256i a, __m256i idx) {
     __m256i r;
     NS_LANES(8) r.i[l] = a.i[idx.i[l] & 7];
