@@ -25,8 +25,9 @@
  * int32: 8 steps of 4-bit codes (16 products, 16 * 15 * 127 < 32767), 4 of 5-bit codes, 1 of 8-bit codes. */
 #define WIDEN_STEPS(t) ((t) == T_Q4_0 || (t) == T_Q4_1 ? 8 : (t) == T_Q5_0 || (t) == T_Q5_1 ? 4 : 1)
 
-/* The signed 8-bit types whose GEMM multiplies int16 codes (vpmaddwd on x's codes widened to int16,
- * QuantizedRows.q16): two multiplies per 32 products where vpsignb, vpmaddubsw and vpmaddwd are three. */
+/* The signed 8-bit types (no minimum term) whose GEMM multiplies int16 codes (vpmaddwd on x's codes
+ * widened to int16, QuantizedRows.q16): two multiplies per 32 products where vpsignb, vpmaddubsw and
+ * vpmaddwd are three. */
 #define GEMM_INT16(t) ((t) == T_Q8_0 || (t) == T_IQ4_NL)
 /* Their GEMM runs from 8 rows (bench kernels --types Q8_0 --rows 5,6,7,8 --n 16384, against streaming,
  * alternated 3 times: 0.68x, 0.84x, 0.95x, 1.07x). */
@@ -125,7 +126,9 @@ static inline void prefetch_rows(const BlockWeight *w, int64_t first, int64_t co
 /* One group's weight rows ready for the tiles, in sets of SUB rows side by side: codes as
  * [set][block][step 0..7][row 0..7][4 bytes] (step k: the block's weights 4k..4k+3 of each row; wu), their
  * absolute values for the signed types (wa), the blocks' scales [set][block][row] (dv), and the blocks'
- * minimums transposed [block][NGI] (mt; zero for signed types). Rows past the group's last are zero. */
+ * minimums transposed [block][NGI] (mt; not written for the signed types, whose minimum is zero). The
+ * GEMM_INT16 types' codes go to wu as int16, [set][block][pair 0..15][row 0..7][2] (pair p: weights 2p,
+ * 2p + 1), and wa is not used. Rows past the group's last are zero. */
 NS_ALWAYS_INLINE void unpack_group(int t, const BlockWeight *w, int64_t n0, int64_t cols, int64_t nb, uint8_t *wu,
                                    uint8_t *wa, float *dv, float *mt) {
     const int64_t sets = (cols + SUB - 1) / SUB;
@@ -230,8 +233,9 @@ NS_ALWAYS_INLINE void tile_partials(int t, const int8_t *qp, const float *const 
 
 /* The GEMM_INT16 types' GEMM takes groups of NGI16 weight rows (two sets, which share each broadcast of x)
  * and runs its tiles over INT16_CHUNK_BLOCKS blocks at a time, every panel of x through one chunk before
- * the next, so that the chunk's codes (two sets: 16 KB) stay in L1 with x's (4 KB a panel): a whole row's
- * int16 codes, twice as many bytes as the file's, do not fit there from K = 576 on. */
+ * the next, so that the chunk's codes (two sets of 24 blocks: 24 KiB) stay in the 32 KiB L1 with x's
+ * (6 KiB a panel). int16 codes take twice the bytes of int8 ones: groups of 32 rows over whole rows
+ * (36 KiB at K = 576) ran at 0.7x. */
 #define NGI16 16
 #define GROUPS16_PER_TAKE 6 /* 96 rows a take, as GROUPS_PER_TAKE groups of NGI (N = 576: 6 takes, not 9 for 2 threads) */
 #define INT16_CHUNK_BLOCKS 24 /* a multiple of 8 */
