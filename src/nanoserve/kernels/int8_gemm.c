@@ -46,7 +46,7 @@ static inline float hmax8(__m256 v) {
 
 /* x (M, K) into xq (quantized_rows.h): each row's scale dx from its largest |x|, then per group of
  * `group` blocks (1, or K_GROUP_BLOCKS for the K types) the smallest integer scale s that keeps
- * |q| <= 127. Prompt-sized steps split the rows between the threads: one thread quantizing a step of
+ * |q| <= 127 (and q widened to int16 where xq->q16 is allocated). Prompt-sized steps split the rows between the threads: one thread quantizing a step of
  * 2048 rows left the other idle for ~2% of an offline c=32-like load. */
 static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int64_t group, QuantizedRows *o) {
     const int64_t nb = K / 32, nbx = xs_blocks(nb), ngx = k_xs_groups(nb);
@@ -88,6 +88,7 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int6
                 if (group > 1 && b % group == 0) o->xk[i * ngx + b / group] = dx * (float)s;
                 if (i >= M || rmax == 0.0f) {
                     memset(q, 0, 32);
+                    if (o->q16) memset(o->q16 + ((p * nb + b) * TR + r) * 32, 0, 64);
                     o->sum[i * nb + b] = 0.0f;
                     o->qs16[(i * nb + b) * 2] = o->qs16[(i * nb + b) * 2 + 1] = o->qs32[qs32_index(i, nb, b)] = 0;
                     continue;
@@ -97,7 +98,13 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int6
                 for (int c = 0; c < 4; c++)
                     w[c] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xr + b * 32 + c * 8), inv)); /* nearest */
                 const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(w[0], w[1]), _mm256_packs_epi32(w[2], w[3]));
-                _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(packed, order));
+                const __m256i codes = _mm256_permutevar8x32_epi32(packed, order);
+                _mm256_storeu_si256((__m256i *)q, codes);
+                if (o->q16) { /* widened for the GEMM_INT16 types' GEMM */
+                    int16_t *q16 = o->q16 + ((p * nb + b) * TR + r) * 32;
+                    _mm256_storeu_si256((__m256i *)q16, _mm256_cvtepi8_epi16(_mm256_castsi256_si128(codes)));
+                    _mm256_storeu_si256((__m256i *)(q16 + 16), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(codes, 1)));
+                }
                 /* The minimum term takes the quantized block's sum: the result is then exactly the product
                  * with the quantized x, and its error does not grow with the blocks' offsets m. */
                 const int32_t lo = hsum_epi32(_mm256_add_epi32(w[0], w[1])), hi = hsum_epi32(_mm256_add_epi32(w[2], w[3]));
@@ -515,12 +522,9 @@ void weight_gemm_i8(const float *x, const BlockWeight *w, float *out, int64_t M,
                         .xk = malloc(sizeof(float) * (size_t)(Mp * k_xs_groups(nb))), .q16 = NULL};
     const int k_type = TYPE_IS_K(w->type);
     const int64_t stream_max = GEMM_INT16(w->type) ? GEMM_INT16_STREAM_MAX_ROWS : STREAM_MAX_ROWS;
-    quantize_rows(x, M, Mp, K, k_type ? K_GROUP_BLOCKS : 1, &xq);
-    if (!k_type && M > stream_max && GEMM_INT16(w->type)) { /* x's codes widened, for the GEMM */
+    if (!k_type && M > stream_max && GEMM_INT16(w->type)) /* x's codes widened too, for the GEMM */
         xq.q16 = aligned_alloc(32, sizeof(int16_t) * (size_t)(Mp * K));
-        for (int64_t c = 0; c < Mp * K; c += 16)
-            _mm256_store_si256((__m256i *)(xq.q16 + c), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(xq.q + c))));
-    }
+    quantize_rows(x, M, Mp, K, k_type ? K_GROUP_BLOCKS : 1, &xq);
     if (!k_type && M <= stream_max) stream_rows(&xq, w, out, ldo, M, nb);
     else /* k_gemm_i8 streams a chunk of up to STREAM_MAX_ROWS rows itself */
         for (int64_t i0 = 0; i0 < M; i0 += CHUNK_ROWS) {
