@@ -376,11 +376,13 @@ static void gemm_rows(const QuantizedRows *xq, const BlockWeight *w, float *out,
 #pragma omp parallel
     {
         uint8_t *wu = aligned_alloc(32, (size_t)(NGI * nb * 64)); /* int16 codes for GEMM_INT16 (NGI16 < NGI) */
-        __m256(*part)[2][TR][8] = GEMM_INT16(w->type) ? aligned_alloc(32, sizeof(__m256) * (size_t)((M + TR - 1) / TR * 2 * TR * 8)) : NULL;
-        uint8_t *wa = aligned_alloc(32, (size_t)(NGI * nb * 32));
+        /* each path's own scratch: the int16 GEMM's partial sums, or the int8 tiles' |codes| and minimums */
+        const int wide = GEMM_INT16(w->type);
+        __m256(*part)[2][TR][8] = wide ? aligned_alloc(32, sizeof(__m256) * (size_t)((M + TR - 1) / TR * 2 * TR * 8)) : NULL;
+        uint8_t *wa = wide ? NULL : aligned_alloc(32, (size_t)(NGI * nb * 32));
         float *dv = aligned_alloc(32, sizeof(float) * (size_t)(NGI * nb));
-        float *mt = malloc(sizeof(float) * (size_t)(nb * NGI));
-        float *m_terms = malloc(sizeof(float) * (size_t)(M * NGI)); /* [row][col] */
+        float *mt = wide ? NULL : malloc(sizeof(float) * (size_t)(nb * NGI));
+        float *m_terms = wide ? NULL : malloc(sizeof(float) * (size_t)(M * NGI)); /* [row][col] */
 #pragma omp for schedule(dynamic, take)
         for (int64_t g = 0; g < groups; g++) {
             const int64_t n0 = g * group_rows, cols = N - n0 < group_rows ? N - n0 : group_rows;
