@@ -89,6 +89,7 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int6
                 if (i >= M || rmax == 0.0f) {
                     memset(q, 0, 32);
                     if (o->q16) memset(o->q16 + ((p * nb + b) * TR + r) * 32, 0, 64);
+                    if (o->q_pairs) memset(o->q_pairs + ((p * nb + b) * TR + r) * 32, 0, 32);
                     o->sum[i * nb + b] = 0.0f;
                     o->qs16[(i * nb + b) * 2] = o->qs16[(i * nb + b) * 2 + 1] = o->qs32[qs32_index(i, nb, b)] = 0;
                     continue;
@@ -105,6 +106,8 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int6
                     _mm256_storeu_si256((__m256i *)q16, _mm256_cvtepi8_epi16(_mm256_castsi256_si128(codes)));
                     _mm256_storeu_si256((__m256i *)(q16 + 16), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(codes, 1)));
                 }
+                if (o->q_pairs) /* for the K_PAIRED types' GEMM */
+                    _mm256_storeu_si256((__m256i *)(o->q_pairs + ((p * nb + b) * TR + r) * 32), pair_halves(codes));
                 /* The minimum term takes the quantized block's sum: the result is then exactly the product
                  * with the quantized x, and its error does not grow with the blocks' offsets m. */
                 const int32_t lo = hsum_epi32(_mm256_add_epi32(w[0], w[1])), hi = hsum_epi32(_mm256_add_epi32(w[2], w[3]));
@@ -521,11 +524,12 @@ void weight_gemm_i8(const float *x, const BlockWeight *w, float *out, int64_t M,
                         .sx = malloc(sizeof(float) * (size_t)(Mp * xs_blocks(nb))),
                         .qs16 = malloc(sizeof(int16_t) * (size_t)(Mp * nb * 2)),
                         .qs32 = malloc(sizeof(int16_t) * (size_t)(Mp * (nb + 1))),
-                        .xk = malloc(sizeof(float) * (size_t)(Mp * k_xs_groups(nb))), .q16 = NULL};
+                        .xk = malloc(sizeof(float) * (size_t)(Mp * k_xs_groups(nb))), .q16 = NULL, .q_pairs = NULL};
     const int k_type = TYPE_IS_K(w->type);
     const int64_t stream_max = GEMM_INT16(w->type) ? GEMM_INT16_STREAM_MAX_ROWS : STREAM_MAX_ROWS;
     if (!k_type && M > stream_max && GEMM_INT16(w->type)) /* x's codes widened too, for the GEMM */
         xq.q16 = aligned_alloc(32, sizeof(int16_t) * (size_t)(Mp * K));
+    if (M > STREAM_MAX_ROWS && K_PAIRED(w->type)) xq.q_pairs = aligned_alloc(32, (size_t)(Mp * K));
     quantize_rows(x, M, Mp, K, k_type ? K_GROUP_BLOCKS : 1, &xq);
     if (!k_type && M <= stream_max) stream_rows(&xq, w, out, ldo, M, nb);
     else /* k_gemm_i8 streams a chunk of up to STREAM_MAX_ROWS rows itself */
@@ -543,4 +547,5 @@ void weight_gemm_i8(const float *x, const BlockWeight *w, float *out, int64_t M,
     free(xq.qs32);
     free(xq.xk);
     free(xq.q16);
+    free(xq.q_pairs);
 }

@@ -214,18 +214,22 @@ NS_ALWAYS_INLINE void k_stream_row(int t, const QuantizedRows *xq, const uint8_t
 #define K_MIN_PAIRS(t) ((t) == T_Q4_K || (t) == T_Q5_K ? 4 : 8)
 
 /* Sets of SUB weight rows per tile: two share each broadcast of x where the int16 sums stay in registers
- * (bench kernels 16384 x 2048, min of 4 alternations: Q4_K 16-128 rows 1.06-1.08x; Q5_K, Q6_K, Q3_K
- * 0.87-0.92x at 128 rows and Q2_K 0.97x, where the two sets' sums spill). */
-#define K_TILE_SETS(t) ((t) == T_Q4_K ? 2 : 1)
+ * (bench kernels 16384 x 2048, min of 4 alternations: Q4_K 16-128 rows 1.06-1.08x; Q6_K 0.87-0.92x at
+ * 128 rows, where the two sets' sums spill). Q2_K / Q3_K with their halves paired (K_PAIRED) and Q5_K:
+ * gemm.py on a 1.1B Llama's shapes, alternated 3-4 times, 32-512 rows 1.05-1.19x (2026-12-07). */
+#define K_TILE_SETS(t) ((t) == T_Q4_K || (t) == T_Q5_K || K_PAIRED(t) ? 2 : 1)
 
 /* Steps (4 weights of each row) whose vpmaddubsw pair sums one int16 lane holds before vpmaddwd applies
- * the sub-block's scale: 8 of 4-bit codes (16 * 15 * 127 < 32767), 4 of 5-bit, 2 of 6-bit (4 * 63 * 127);
- * at most 4 (16 weights) where the scale changes every 16 weights: Q2_K's and Q3_K's 2- and 3-bit codes. */
-#define K_WIDEN_STEPS(t) ((t) == T_Q4_K ? 8 : (t) == T_Q5_K || (t) == T_Q2_K || (t) == T_Q3_K ? 4 : 2)
+ * the sub-block's scale: 8 of 4-bit codes (16 * 15 * 127 < 32767), 4 of 5-bit, 2 of 6-bit (4 * 63 * 127).
+ * Q2_K's and Q3_K's 2- and 3-bit codes take a scale per 16 weights: with their halves paired (K_PAIRED),
+ * an int16 lane holds one half's sums and its neighbour the other's, 8 steps (8 * 2 * 7 * 127). */
+#define K_WIDEN_STEPS(t) ((t) == T_Q4_K || K_PAIRED(t) ? 8 : (t) == T_Q5_K ? 4 : 2)
 
 /* A group's weight rows ready for the tiles, in sets of SUB rows side by side (per set and super-block):
- * codes [sub-block][step 0..7][row 0..7][4 bytes] (256 bytes a sub-block), vpmaddwd multipliers
- * [sub-block][half][16 int16] (32-bit lane n: row n's scale of the sub-block's weights 0..15 or 16..31),
+ * codes [sub-block][step 0..7][row 0..7][4 bytes] (256 bytes a sub-block; K_PAIRED types' codes with
+ * their halves paired), vpmaddwd multipliers [sub-block][half][16 int16] (32-bit lane n: row n's scale of
+ * the sub-block's weights 0..15 or 16..31 in both int16; K_PAIRED types: [sub-block][0] only, lane n row
+ * n's two scales, of weights 0..15 in its low int16 and of 16..31 in its high one),
  * d and dmin [row], and the minimums (KIntScales.mn16 or mn32, small integers) as int16 pairs
  * [pair][row][2] (K_MIN_PAIRS of them), vpmaddwd multipliers of x's sums per 16 or 32. Rows past the
  * group's last are zero. */
@@ -255,7 +259,7 @@ NS_ALWAYS_INLINE void k_unpack_group(int t, const BlockWeight *w, int64_t n0, in
                 KIntScales ks;
                 k_int_scales(t, p, &ks);
 #pragma GCC unroll 8
-                for (int j = 0; j < 8; j++) codes[j][n] = k_unsigned_codes(t, p, j);
+                for (int j = 0; j < 8; j++) codes[j][n] = K_PAIRED(t) ? pair_halves(k_unsigned_codes(t, p, j)) : k_unsigned_codes(t, p, j);
                 pairs[n] = ks.pairs;
                 mins[n] = K_MIN_PAIRS(t) == 4 ? ks.mn32 : ks.mn16;
                 u->d[sg * SUB + n] = ks.d;
@@ -269,6 +273,10 @@ NS_ALWAYS_INLINE void k_unpack_group(int t, const BlockWeight *w, int64_t n0, in
                                                     0x09080908, 0x0D0C0D0C);
             const __m256i second = _mm256_add_epi32(first, _mm256_set1_epi32(0x02020202));
             for (int j = 0; j < 8; j++) {
+                if (K_PAIRED(t)) { /* one multiplier vector a sub-block: lane n row n's pair, as it is */
+                    _mm256_store_si256((__m256i *)(u->sc + sg * 256 + (2 * j) * 16), across[j]);
+                    continue;
+                }
                 _mm256_store_si256((__m256i *)(u->sc + sg * 256 + (2 * j) * 16), _mm256_shuffle_epi8(across[j], first));
                 _mm256_store_si256((__m256i *)(u->sc + sg * 256 + (2 * j + 1) * 16), _mm256_shuffle_epi8(across[j], second));
             }
@@ -405,7 +413,7 @@ NS_ALWAYS_INLINE void k_gemm_group(int t, const QuantizedRows *xq, const BlockWe
     k_unpack_group(t, w, n0, cols, nb, &u);
     NextGroupPrefetch next = next_group_prefetch(w, n0, cols, NGI, GROUPS_PER_TAKE, (M + TR - 1) / TR * sets);
     for (int64_t r0 = 0; r0 < M; r0 += TR) {
-        const int8_t *qp = xq->q + ((i0 + r0) / TR) * nb * TR * 32;
+        const int8_t *qp = (K_PAIRED(t) ? xq->q_pairs : xq->q) + ((i0 + r0) / TR) * nb * TR * 32;
         const int64_t rows = M - r0 < TR ? M - r0 : TR;
         for (int64_t s = 0; s < sets; s += K_TILE_SETS(t)) {
             __m256 y[2][TR];

@@ -31,7 +31,24 @@ typedef struct {
     int16_t *qs16, *qs32;
     float *xk;
     int16_t *q16; /* q widened to int16, same layout (int8_gemm.c's GEMM_INT16 types' GEMM; else NULL) */
+    int8_t *q_pairs; /* q with each block's halves interleaved (pair_halves; K_PAIRED types' GEMM; else NULL) */
 } QuantizedRows;
+
+/* The K types whose scale changes every 16 weights and whose codes are small (Q2_K 0..3, Q3_K 0..7): their
+ * GEMM takes each block's 32 codes, of the weights and of x, with its halves interleaved by pairs of
+ * values (pair_halves), so that one vpmaddubsw pair sum is of weights 0..15 and the next of 16..31: an
+ * int16 lane pair then holds both halves' sums of a whole sub-block, and one vpmaddwd applies both scales
+ * (not one per half). */
+#define K_PAIRED(t) ((t) == T_Q2_K || (t) == T_Q3_K)
+
+/* 32 bytes v0..v31 -> v0 v1 v16 v17 v2 v3 v18 v19 ... v14 v15 v30 v31 (4-byte step k: values 2k, 2k + 1 and
+ * 16 + 2k, 17 + 2k). */
+NS_ALWAYS_INLINE __m256i pair_halves(__m256i v) {
+    /* 64-bit words 0 2 | 1 3: each 128-bit half holds values 8h..8h+7 and 16+8h..23+8h, interleaved by pairs */
+    static const uint8_t order[32] = {0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15,
+                                      0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15};
+    return _mm256_shuffle_epi8(_mm256_permute4x64_epi64(v, 0xD8), _mm256_loadu_si256((const __m256i *)order));
+}
 
 /* Blocks per row of sx: nb rounded up to a multiple of 8 (the streaming kernels read 8 blocks at a time). */
 static inline int64_t xs_blocks(int64_t nb) { return (nb + 7) / 8 * 8; }
