@@ -46,7 +46,8 @@ static inline float hmax8(__m256 v) {
 
 /* x (M, K) into xq (quantized_rows.h): each row's scale dx from its largest |x|, then per group of
  * `group` blocks (1, or K_GROUP_BLOCKS for the K types) the smallest integer scale s that keeps
- * |q| <= 127 (and q widened to int16 where xq->q16 is allocated). Prompt-sized steps split the rows between the threads: one thread quantizing a step of
+ * |q| <= 127 (and q widened to int16 where xq->q16 is allocated, q with each block's halves paired where
+ * xq->q_pairs is). Prompt-sized steps split the rows between the threads: one thread quantizing a step of
  * 2048 rows left the other idle for ~2% of an offline c=32-like load. */
 static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int64_t group, QuantizedRows *o) {
     const int64_t nb = K / 32, nbx = xs_blocks(nb), ngx = k_xs_groups(nb);
