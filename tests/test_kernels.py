@@ -6,7 +6,7 @@ import torch
 from backends import C, TORCH, requires_kernels
 from nanoserve.kernels import quantize_activations
 from nanoserve.kernels.quant import BLOCK_TYPES, GGML_TYPES, K_TYPES
-from nanoserve.model.layers import KVCache, Linear
+from nanoserve.model.layers import KVCache, Linear, TokenEmbedding
 from runner_driver import RunnerDriver
 from weights import random_weight
 
@@ -90,6 +90,23 @@ def test_float_activation_product_matches_reference(qtype):
         scale = ref.abs().max().item()
         torch.testing.assert_close(out, ref, atol=1e-5 * scale, rtol=0, msg=f"{qtype}, {rows} rows")
         torch.testing.assert_close(TORCH.linear(x[:rows], layer_of(w), int8=False), ref, atol=1e-5 * scale, rtol=0)
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES)
+def test_embedding_gather_equals_dequantize_bit_for_bit(qtype):
+    """The token embedding lookup (ns_gather_rows) gives the rows' values as gguf-py dequantizes them
+    (test_quant compares dequantize with gguf-py), repeated ids included; an id outside the vocabulary
+    raises instead of reading past the matrix."""
+    width = 512 if qtype not in FLOAT_TYPES_ODD else 520
+    embedding = TokenEmbedding()
+    embedding.weight = random_weight(qtype, 40, width, seed=4)
+    ids = torch.tensor([7, 0, 39, 7, 21])
+    out = C.embedding(embedding, ids)
+    assert torch.equal(out, embedding.weight.dequantize(ids))
+    assert torch.equal(out, TORCH.embedding(embedding, ids))
+    for bad in (40, -1):
+        with pytest.raises(IndexError, match="outside the vocabulary"):
+            C.embedding(embedding, torch.tensor([3, bad]))
 
 
 @pytest.mark.parametrize("qtype, width", [(q, 512) for q in BLOCK_TYPES] +

@@ -164,16 +164,15 @@ class ModelRunner:
     def _decode_metadata(self, rows: list[tuple[Request, int]], meta: AttentionMetadata) -> None:
         """Cache slots of every decode row's context, padded to the longest, and the context lengths."""
         bs = self.block_size
-        ctx = torch.tensor([ctx_len for _, ctx_len in rows], dtype=torch.long)
-        max_ctx = int(ctx.max())
+        lens = [ctx_len for _, ctx_len in rows]
+        max_ctx = max(lens)
         max_blocks = -(-max_ctx // bs)
-        table = torch.zeros(len(rows), max_blocks, dtype=torch.long)
-        for row, (r, _) in enumerate(rows):
-            blocks = r.block_ids[:max_blocks]
-            table[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-        pos = torch.arange(max_ctx)
-        meta.decode_slots = table[:, pos // bs] * bs + pos % bs  # (Bd, Tmax)
-        meta.decode_ctx_lens = ctx
+        # each row's block table padded with block 0, then each block's bs slots (32 rows of ~900
+        # positions: 160 us; indexing the table by position took 410)
+        table = torch.tensor([(r.block_ids + [0] * max_blocks)[:max_blocks] for r, _ in rows], dtype=torch.long)
+        slots = (table.unsqueeze(2) * bs + torch.arange(bs)).view(len(rows), -1)
+        meta.decode_slots = slots if slots.shape[1] == max_ctx else slots[:, :max_ctx].contiguous()  # (Bd, Tmax)
+        meta.decode_ctx_lens = torch.tensor(lens, dtype=torch.long)
 
     def execute(self, sched: SchedulerOutput) -> tuple[list, dict[int, list[TokenLogprobs]]]:
         """Runs one step; returns the sampled token of each scheduled request (a list of one per row for

@@ -8,7 +8,7 @@
 
 #include <stdint.h>
 
-#define NS_ABI_VERSION 3
+#define NS_ABI_VERSION 4
 
 /* A weight matrix (n, k) in its file's form: type is a GGML type code (quant_blocks.h), data n rows of
  * row_bytes each. A fused projection is a chain of parts (next, or NULL), part p writing output columns
@@ -33,6 +33,16 @@ typedef struct {
     int64_t rows;
     int64_t int8_x;
 } LinearArgs;
+
+/* out (count, w.k) = rows ids of w (one part) as float32, the values gguf-py dequantizes to (a token
+ * embedding lookup). An id outside 0 .. w.n - 1 leaves its row of out untouched and is counted in the
+ * kernel's return value. */
+typedef struct {
+    const BlockWeight *w;
+    const int64_t *ids;
+    float *out;
+    int64_t count;
+} GatherRowsArgs;
 
 /* out (rows, dim) = x / sqrt(mean(x^2) + eps) * weight. */
 typedef struct {

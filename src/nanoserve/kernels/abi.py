@@ -43,6 +43,7 @@ with open(ABI_HEADER) as _f:
     ABI_VERSION, STRUCTS = _parse_header(_f.read())
 BlockWeight = STRUCTS["BlockWeight"]
 LinearArgs = STRUCTS["LinearArgs"]
+GatherRowsArgs = STRUCTS["GatherRowsArgs"]
 RmsNormArgs = STRUCTS["RmsNormArgs"]
 SiluMulArgs = STRUCTS["SiluMulArgs"]
 KVCacheRef = STRUCTS["KVCacheRef"]
@@ -56,6 +57,7 @@ SampleArgs = STRUCTS["SampleArgs"]
 _P = ctypes.POINTER
 ENTRY_POINTS = {
     "ns_linear": ([LinearArgs], None),
+    "ns_gather_rows": ([GatherRowsArgs], ctypes.c_int64),
     "ns_rms_norm": ([RmsNormArgs], None),
     "ns_silu_mul": ([SiluMulArgs], None),
     "ns_rope_write_kv": ([RopeWriteKVArgs], None),

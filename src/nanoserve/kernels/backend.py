@@ -78,6 +78,11 @@ class TorchBackend:
             w = w.to_dense()
         return F.linear(x, w)
 
+    def embedding(self, embedding, ids: torch.Tensor) -> torch.Tensor:
+        """The rows ids (T,) of a TokenEmbedding's weight as float32 (T, K): the values gguf-py
+        dequantizes to."""
+        return embedding.weight.dequantize(ids)
+
     # ------------------------------------------------------------------------- elementwise steps
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return F.rms_norm(x, weight.shape, weight, eps)
@@ -152,14 +157,19 @@ class CKernelBackend(TorchBackend):
         self.lib.ns_linear(args)
         return out
 
+    @staticmethod
+    def block_weight(part: QuantWeight, out_col: int, out_stride: int):
+        """One matrix as the BlockWeight struct the kernels read (its data pointer checked)."""
+        data = check("BlockWeight", "data", part.data, part.data.dtype, (part.shape[0], None), {})
+        return abi.BlockWeight(data, None, part.type_code, part.shape[0], part.k,
+                               part.data.shape[1] * part.data.element_size(), out_col, out_stride)
+
     def weight_chain(self, layer):
         """The layer's parts as linked BlockWeight structs (the first returned), built once per layer."""
         if layer.c_struct is None:
             structs, col = [], 0
             for part in layer.parts:
-                data = check("BlockWeight", "data", part.data, part.data.dtype, (part.shape[0], None), {})
-                structs.append(abi.BlockWeight(data, None, part.type_code, part.shape[0], part.k,
-                                               part.data.shape[1] * part.data.element_size(), col, layer.out_features))
+                structs.append(self.block_weight(part, col, layer.out_features))
                 col += part.shape[0]
             for a, b in zip(structs, structs[1:]):
                 a.next = ctypes.addressof(b)
@@ -173,6 +183,18 @@ class CKernelBackend(TorchBackend):
         layer = Linear(w.k, w.shape[0])
         layer.set_weight([w])
         return self.linear(x, layer, int8)
+
+    def embedding(self, embedding, ids):
+        w = embedding.weight
+        if embedding.c_struct is None or embedding.c_struct[0] is not w:  # built once per weight
+            embedding.c_struct = (w, self.block_weight(w, 0, w.k))
+        out = torch.empty(ids.shape[0], w.k)
+        outside = self.lib.ns_gather_rows(abi.GatherRowsArgs(
+            ctypes.addressof(embedding.c_struct[1]), check("gather_rows", "ids", ids, torch.int64, ("T",), {}),
+            out.data_ptr(), ids.shape[0]))
+        if outside:
+            raise IndexError(f"embedding: {outside} token ids outside the vocabulary 0..{w.shape[0] - 1}")
+        return out
 
     # ------------------------------------------------------------------------- elementwise steps
     def rms_norm(self, x, weight, eps):

@@ -21,6 +21,7 @@
 void weight_stream_f32(const float *x, const BlockWeight *w, float *out, int64_t M, int64_t ldo);
 void weight_gemm_f32(const float *x, const BlockWeight *w, float *out, int64_t M, int64_t ldo);
 void weight_gemm_i8(const float *x, const BlockWeight *w, float *out, int64_t M, int64_t ldo);
+void dequant_rows(const BlockWeight *w, int64_t n0, int64_t rows, float *buf);
 void rms_norm_f32(const float *x, const float *w, float *out, int64_t rows, int64_t dim, float eps);
 void silu_mul_f32(const float *gate_up, float *out, int64_t T, int64_t I);
 void rope_write_kv_f32(float *qk, int64_t qk_stride, const float *v, int64_t v_stride, const float *cos,
@@ -50,6 +51,16 @@ static void linear(const float *x, const BlockWeight *w, float *out, int64_t row
 }
 
 NS_EXPORT void ns_linear(const LinearArgs *a) { linear(a->x, a->w, a->out, a->rows, a->int8_x); }
+
+NS_EXPORT int64_t ns_gather_rows(const GatherRowsArgs *a) {
+    int64_t outside = 0;
+    for (int64_t i = 0; i < a->count; i++) {
+        const int64_t id = a->ids[i];
+        if (id < 0 || id >= a->w->n) outside++;
+        else dequant_rows(a->w, id, 1, a->out + i * a->w->k);
+    }
+    return outside;
+}
 
 NS_EXPORT void ns_rms_norm(const RmsNormArgs *a) { rms_norm_f32(a->x, a->weight, a->out, a->rows, a->dim, a->eps); }
 
@@ -182,7 +193,7 @@ NS_EXPORT const char *ns_isa_features(void) {
 /* sizeof() of each struct of abi.h, in the order they appear there (abi.py compares its mirrors). */
 NS_EXPORT int64_t ns_struct_size(const char *name) {
 #define SIZE_OF(T) if (strcmp(name, #T) == 0) return (int64_t)sizeof(T);
-    SIZE_OF(BlockWeight) SIZE_OF(LinearArgs) SIZE_OF(RmsNormArgs) SIZE_OF(SiluMulArgs) SIZE_OF(KVCacheRef)
+    SIZE_OF(BlockWeight) SIZE_OF(LinearArgs) SIZE_OF(GatherRowsArgs) SIZE_OF(RmsNormArgs) SIZE_OF(SiluMulArgs) SIZE_OF(KVCacheRef)
     SIZE_OF(RopeWriteKVArgs) SIZE_OF(DecodeAttentionArgs) SIZE_OF(DecodeLayerWeights) SIZE_OF(DecodeStep)
     SIZE_OF(SampleArgs)
 #undef SIZE_OF

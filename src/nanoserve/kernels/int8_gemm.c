@@ -531,8 +531,10 @@ void weight_gemm_i8(const float *x, const BlockWeight *w, float *out, int64_t M,
     if (!k_type && M > stream_max && GEMM_INT16(w->type)) /* x's codes widened too, for the GEMM */
         xq.q16 = aligned_alloc(32, sizeof(int16_t) * (size_t)(Mp * K));
     if (M > STREAM_MAX_ROWS && K_PAIRED(w->type)) xq.q_pairs = aligned_alloc(32, (size_t)(Mp * K));
-    quantize_rows(x, M, Mp, K, k_type ? K_GROUP_BLOCKS : 1, &xq);
-    if (!k_type && M <= stream_max) stream_rows(&xq, w, out, ldo, M, nb);
+    /* The streaming kernels read x's rows only, the GEMM's tiles the padding rows too (as zeros) */
+    const int streams = M <= (k_type ? STREAM_MAX_ROWS : stream_max);
+    quantize_rows(x, M, streams ? M : Mp, K, k_type ? K_GROUP_BLOCKS : 1, &xq);
+    if (!k_type && streams) stream_rows(&xq, w, out, ldo, M, nb);
     else /* k_gemm_i8 streams a chunk of up to STREAM_MAX_ROWS rows itself */
         for (int64_t i0 = 0; i0 < M; i0 += CHUNK_ROWS) {
             const int64_t rows = M - i0 < CHUNK_ROWS ? M - i0 : CHUNK_ROWS;

@@ -64,9 +64,10 @@ class TokenEmbedding(nn.Module):
     def __init__(self):
         super().__init__()
         self.weight: Optional[QuantWeight] = None
+        self.c_struct = None  # (weight, its struct) for the C kernels, built on first use
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.weight.dequantize(ids)
+    def forward(self, ids: torch.Tensor, backend: TorchBackend) -> torch.Tensor:
+        return backend.embedding(self, ids)
 
 
 class RMSNorm(nn.Module):

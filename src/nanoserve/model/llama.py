@@ -93,7 +93,7 @@ class LlamaForCausalLM(nn.Module):
         the vocabulary projection quantizes its input too, as llama.cpp does for a block-type output
         matrix: it halves that product's time at batch 1 (SmolLM2's Q8_0 head: 1.14-1.24 -> 0.63-0.66 ms)."""
         meta.rope_cos, meta.rope_sin = self.rope.lookup(meta.positions)
-        x = self.embed_tokens(input_ids).contiguous()
+        x = self.embed_tokens(input_ids, meta.backend).contiguous()
         if not (self.fuse_decode_layers and meta.backend.fused_decode_layers(self, x, caches, meta)):
             for layer, cache in zip(self.layers, caches):
                 x = layer(x, cache, meta)
