@@ -103,27 +103,6 @@ static inline int32_t hsum_epi32(__m256i t) {
     return _mm_cvtsi128_si32(h);
 }
 
-/* Eight vectors of eight 4-byte steps transposed: out[k] lane n = in[n] lane k (the GEMMs' layout of 8
- * weight rows side by side, one per 32-bit lane). */
-static inline void transpose8x32(const __m256i *in, __m256i *out) {
-    __m256i a[8], b[8];
-    for (int i = 0; i < 8; i += 2) {
-        a[i] = _mm256_unpacklo_epi32(in[i], in[i + 1]);     /* n=i,i+1 at k 0,1 | 4,5 */
-        a[i + 1] = _mm256_unpackhi_epi32(in[i], in[i + 1]); /* k 2,3 | 6,7 */
-    }
-    for (int i = 0; i < 8; i += 4)
-        for (int h = 0; h < 2; h++) {
-            b[i + h] = _mm256_unpacklo_epi64(a[i + h], a[i + 2 + h]);     /* n=i..i+3 at k 2h | 2h+4 */
-            b[i + 2 + h] = _mm256_unpackhi_epi64(a[i + h], a[i + 2 + h]); /* k 2h+1 | 2h+5 */
-        }
-    /* b[i + q] (i = 0, 4) holds rows i..i+3 of steps kq and kq + 4, kq = 0, 2, 1, 3 for q = 0..3 */
-    static const int kq[4] = {0, 2, 1, 3};
-    for (int q = 0; q < 4; q++) {
-        out[kq[q]] = _mm256_permute2x128_si256(b[q], b[4 + q], 0x20);
-        out[kq[q] + 4] = _mm256_permute2x128_si256(b[q], b[4 + q], 0x31);
-    }
-}
-
 /* The streaming kernels (decode steps): up to STREAM_MAX_ROWS rows of x against one weight row at a
  * time, each thread's weight rows one sequential stream (with 2+ rows of x prefetched
  * STREAM_PREFETCH_BYTES ahead, quant_blocks.h). Several weight rows side by side were measured no faster

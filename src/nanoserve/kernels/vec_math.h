@@ -1,5 +1,5 @@
-/* Branch-free float32 exp and log that GCC vectorizes, and a vector's horizontal sum, shared by the
- * C kernels. */
+/* Branch-free float32 exp and log that GCC vectorizes, a vector's horizontal sum and an 8 x 8 transpose,
+ * shared by the C kernels. */
 #ifndef NANOSERVE_VEC_MATH_H
 #define NANOSERVE_VEC_MATH_H
 
@@ -13,6 +13,27 @@ static inline float hsum256(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+
+/* Eight vectors of eight 4-byte lanes transposed: out[k] lane n = in[n] lane k (the int8 GEMMs' layout of
+ * 8 weight rows side by side, one per 32-bit lane; the float32 GEMM's panels of x). */
+static inline void transpose8x32(const __m256i *in, __m256i *out) {
+    __m256i a[8], b[8];
+    for (int i = 0; i < 8; i += 2) {
+        a[i] = _mm256_unpacklo_epi32(in[i], in[i + 1]);     /* n=i,i+1 at k 0,1 | 4,5 */
+        a[i + 1] = _mm256_unpackhi_epi32(in[i], in[i + 1]); /* k 2,3 | 6,7 */
+    }
+    for (int i = 0; i < 8; i += 4)
+        for (int h = 0; h < 2; h++) {
+            b[i + h] = _mm256_unpacklo_epi64(a[i + h], a[i + 2 + h]);     /* n=i..i+3 at k 2h | 2h+4 */
+            b[i + 2 + h] = _mm256_unpackhi_epi64(a[i + h], a[i + 2 + h]); /* k 2h+1 | 2h+5 */
+        }
+    /* b[i + q] (i = 0, 4) holds rows i..i+3 of steps kq and kq + 4, kq = 0, 2, 1, 3 for q = 0..3 */
+    static const int kq[4] = {0, 2, 1, 3};
+    for (int q = 0; q < 4; q++) {
+        out[kq[q]] = _mm256_permute2x128_si256(b[q], b[4 + q], 0x20);
+        out[kq[q] + 4] = _mm256_permute2x128_si256(b[q], b[4 + q], 0x31);
+    }
 }
 
 /* log(x) for finite x > 0 (normal floats), branch-free so that loops over it vectorize; the Cephes
