@@ -296,15 +296,16 @@ void weight_gemm_f32(const float *x, const BlockWeight *w, float *out, int64_t M
         }
         float *buf = malloc(sizeof(float) * (size_t)(NG * K));
         float *acc = malloc(sizeof(float) * (size_t)(panels * NG * 16)); /* (panel, column, 16 rows) */
-#pragma omp for schedule(dynamic, 4)
+#pragma omp for schedule(dynamic, GROUPS_PER_TAKE)
         for (int64_t g = 0; g < groups; g++) {
             const int64_t n0 = g * NG, rows = N - n0 < NG ? N - n0 : NG;
             dequant_rows(w, n0, rows, buf);
             memset(acc, 0, sizeof(float) * (size_t)(panels * NG * 16));
+            NextGroupPrefetch next = next_group_prefetch(w, n0, rows, NG, GROUPS_PER_TAKE, panels * ((K + KC - 1) / KC));
             /* Slices of K small enough that a panel's slice and 6 weight rows' slices stay in L1. */
             for (int64_t k0 = 0; k0 < K; k0 += KC) {
                 const int64_t kc = K - k0 < KC ? K - k0 : KC;
-                for (int64_t p = 0; p < panels; p++) {
+                for (int64_t p = 0; p < panels; p++, prefetch_slice(&next)) {
                     const float *a = xT + p * K * 16 + k0 * 16;
                     float *ap = acc + p * NG * 16;
                     int64_t j = 0;
