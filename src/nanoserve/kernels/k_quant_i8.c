@@ -350,13 +350,18 @@ NS_ALWAYS_INLINE void k_tile(int t, int ns, const QuantizedRows *xq, const int8_
                             for (int s = 0; s < ns; s++) {
                                 const __m256i p = _mm256_maddubs_epi16(wv[s], xv);
                                 h[s][r] = k == k0 ? p : _mm256_add_epi16(h[s][r], p);
-                                if (W > 2) NS_KEEP_IN_REGISTER(h[s][r]); /* a chain per row: see int8_gemm.c's tile_partials */
+                                if (W > 2 || K_TILE_SETS(t) == 1) NS_KEEP_IN_REGISTER(h[s][r]); /* a chain per row: see int8_gemm.c's tile_partials */
                             }
                         }
                     }
                     for (int s = 0; s < ns; s++) {
                         const __m256i sc = _mm256_load_si256((const __m256i *)(u->sc + (sg0 + s * ng + g) * 256 + (2 * j + k0 / 4) * 16));
-                        for (int r = 0; r < TR; r++) tot[s][r] = _mm256_add_epi32(tot[s][r], _mm256_madd_epi16(h[s][r], sc));
+                        for (int r = 0; r < TR; r++) {
+                            tot[s][r] = _mm256_add_epi32(tot[s][r], _mm256_madd_epi16(h[s][r], sc));
+                            /* one chain per output: with 2 steps a widening (Q6_K) GCC kept every vpmaddwd's
+                             * result for a later sum, 16 of them spilled to the stack */
+                            if (K_TILE_SETS(t) == 1) NS_KEEP_IN_REGISTER(tot[s][r]);
+                        }
                     }
                 }
             }
