@@ -78,21 +78,21 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int6
             for (int64_t g = group > 1 ? nb / group : ngx; g < ngx; g++) o->xk[i * ngx + g] = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
                 int8_t *q = o->q + ((p * nb + b) * TR + r) * 32;
-                int16_t *sv = o->s + ((p * nb + b) * TR + r) * 16;
                 int s = 1;
                 if (i < M && rmax > 0.0f) {
                     s = (int)ceilf(amax[b] / (127.0f * dx));
                     s = s < 1 ? 1 : (s > 32767 ? 32767 : s);
                 }
-                for (int c = 0; c < 16; c++) sv[c] = (int16_t)s;
                 o->sx[i * nbx + b] = (float)s;
                 if (group > 1 && b % group == 0) o->xk[i * ngx + b / group] = dx * (float)s;
                 if (i >= M || rmax == 0.0f) {
                     memset(q, 0, 32);
                     if (o->q16) memset(o->q16 + ((p * nb + b) * TR + r) * 32, 0, 64);
                     if (o->q_pairs) memset(o->q_pairs + ((p * nb + b) * TR + r) * 32, 0, 32);
-                    o->sum[i * nb + b] = 0.0f;
-                    o->qs16[(i * nb + b) * 2] = o->qs16[(i * nb + b) * 2 + 1] = o->qs32[qs32_index(i, nb, b)] = 0;
+                    if (o->sum) {
+                        o->sum[i * nb + b] = 0.0f;
+                        o->qs16[(i * nb + b) * 2] = o->qs16[(i * nb + b) * 2 + 1] = o->qs32[qs32_index(i, nb, b)] = 0;
+                    }
                     continue;
                 }
                 const __m256 inv = _mm256_set1_ps(1.0f / ((float)s * dx));
@@ -109,6 +109,7 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int6
                 }
                 if (o->q_pairs) /* for the K_PAIRED types' GEMM */
                     _mm256_storeu_si256((__m256i *)(o->q_pairs + ((p * nb + b) * TR + r) * 32), pair_halves(codes));
+                if (!o->sum) continue; /* the signed 32-weight types: no minimum term */
                 /* The minimum term takes the quantized block's sum: the result is then exactly the product
                  * with the quantized x, and its error does not grow with the blocks' offsets m. */
                 const int32_t lo = hsum_epi32(_mm256_add_epi32(w[0], w[1])), hi = hsum_epi32(_mm256_add_epi32(w[2], w[3]));
@@ -520,13 +521,15 @@ static void stream_rows(const QuantizedRows *xq, const BlockWeight *w, float *ou
  * through k_quant_i8.c's kernels, with x's scale one per super-block. */
 void weight_gemm_i8(const float *x, const BlockWeight *w, float *out, int64_t M, int64_t ldo) {
     const int64_t K = w->k, nb = K / 32, Mp = (M + TR - 1) / TR * TR;
-    QuantizedRows xq = {.q = aligned_alloc(32, (size_t)(Mp * K)), .s = aligned_alloc(32, sizeof(int16_t) * (size_t)(Mp * nb * 16)),
-                        .dx = malloc(sizeof(float) * (size_t)Mp), .sum = calloc((size_t)(Mp * nb + 8), sizeof(float)),
-                        .sx = malloc(sizeof(float) * (size_t)(Mp * xs_blocks(nb))),
-                        .qs16 = malloc(sizeof(int16_t) * (size_t)(Mp * nb * 2)),
-                        .qs32 = malloc(sizeof(int16_t) * (size_t)(Mp * (nb + 1))),
-                        .xk = malloc(sizeof(float) * (size_t)(Mp * k_xs_groups(nb))), .q16 = NULL, .q_pairs = NULL};
     const int k_type = TYPE_IS_K(w->type);
+    /* the blocks' sums of codes, for the minimum terms: every type but the signed 32-weight ones */
+    const int sums = k_type || !TYPE_SIGNED(w->type);
+    QuantizedRows xq = {.q = aligned_alloc(32, (size_t)(Mp * K)), .dx = malloc(sizeof(float) * (size_t)Mp),
+                        .sum = sums ? calloc((size_t)(Mp * nb + 8), sizeof(float)) : NULL,
+                        .sx = malloc(sizeof(float) * (size_t)(Mp * xs_blocks(nb))),
+                        .qs16 = sums ? malloc(sizeof(int16_t) * (size_t)(Mp * nb * 2)) : NULL,
+                        .qs32 = sums ? malloc(sizeof(int16_t) * (size_t)(Mp * (nb + 1))) : NULL,
+                        .xk = malloc(sizeof(float) * (size_t)(Mp * k_xs_groups(nb))), .q16 = NULL, .q_pairs = NULL};
     const int64_t stream_max = GEMM_INT16(w->type) ? GEMM_INT16_STREAM_MAX_ROWS : STREAM_MAX_ROWS;
     if (!k_type && M > stream_max && GEMM_INT16(w->type)) /* x's codes widened too, for the GEMM */
         xq.q16 = aligned_alloc(32, sizeof(int16_t) * (size_t)(Mp * K));
@@ -542,7 +545,6 @@ void weight_gemm_i8(const float *x, const BlockWeight *w, float *out, int64_t M,
             else gemm_rows(&xq, w, out, ldo, i0, rows, nb, w->n);
         }
     free(xq.q);
-    free(xq.s);
     free(xq.dx);
     free(xq.sum);
     free(xq.sx);

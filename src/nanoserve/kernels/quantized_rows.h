@@ -13,10 +13,9 @@
 #define TR 4 /* rows of x per panel */
 
 /* Block b of row i is x ~= dx[i] * s * q with q in -127..127 and s an integer in 1..32767, so a block's
- * scale is nearly as fine as a float's. Rows in panels of TR: q as [panel][block][row][32], s as
- * [panel][block][row][16] (one vector, for the K types' vpmaddwd) and as a float per [row][block] (sx,
- * each row padded with zeros to a multiple of 8 blocks: xs_blocks), per [row][block] the block's sum of
- * q times s times dx (sum, for the weights' minimum terms; 8 zeros past its end), and per
+ * scale is nearly as fine as a float's. Rows in panels of TR: q as [panel][block][row][32], s as a float
+ * per [row][block] (sx, each row padded with zeros to a multiple of 8 blocks: xs_blocks), per [row][block]
+ * the block's sum of q times s times dx (sum, for the weights' minimum terms; 8 zeros past its end), and per
  * [row][half-block] the sum of q alone over each 16 values as int16 (qs16, for the K types' integer
  * products with their minimums and offsets), and over each block's 32 as int16 in panels
  * [panel][pair of blocks][row][2] (qs32, for Q4_K / Q5_K's minimums, one per 32: a panel's rows side by
@@ -26,9 +25,8 @@
  * [row][super-block] (each row padded with zeros to a multiple of 8 super-blocks: k_xs_groups). */
 typedef struct {
     int8_t *q;
-    int16_t *s;
     float *dx, *sum, *sx;
-    int16_t *qs16, *qs32;
+    int16_t *qs16, *qs32; /* sum, qs16 and qs32: NULL for the signed 32-weight types (no minimum term) */
     float *xk;
     int16_t *q16; /* q widened to int16, same layout (int8_gemm.c's GEMM_INT16 types' GEMM; else NULL) */
     int8_t *q_pairs; /* q with each block's halves interleaved (pair_halves; K_PAIRED types' GEMM; else NULL) */
