@@ -65,11 +65,11 @@ static inline __attribute__((always_inline)) void score_tile(
 /* Weighted sum of ctx value rows, dims d0 .. d0 + 8 nv - 1 (nv 1 or 2), for `heads` (1-3) heads whose
  * weights are the rows s0, s0 + ctx, s0 + 2 ctx: up to 6 accumulators, 3 weights, 1 value vector (16
  * dims, not 32: with 12 accumulators GCC spilled one to the stack, a store-load chain through every
- * row). o_h[j] = head h, dims d0 + 8j ... d0 + 8j + 7. The first pass over these dims (the first 3 heads)
+ * row), stored at oh + h D + d0 (head h's dims d0 .. d0 + 8 nv - 1). The first pass over these dims (the first 3 heads)
  * asks for each row's part VALUE_PREFETCH_ROWS ahead: the rows prefetched while scoring went to L2 only. */
 static inline __attribute__((always_inline)) void value_tile(
         const float *s0, int64_t ctx, const void *vbase, const int64_t *seq_slots, int64_t D, int64_t d0,
-        int heads, int nv, int first_pass, __m256 *o0, __m256 *o1, __m256 *o2, int f16) {
+        int heads, int nv, int first_pass, float *oh, int f16) {
     const float *s1 = s0 + (heads > 1 ? ctx : 0), *s2 = s0 + (heads > 2 ? 2 * ctx : 0);
     __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
     for (int64_t t = 0; t < ctx; t++) {
@@ -89,7 +89,14 @@ static inline __attribute__((always_inline)) void value_tile(
             if (heads > 2) a21 = _mm256_fmadd_ps(p2, v, a21);
         }
     }
-    o0[0] = a00; o0[1] = a01; o1[0] = a10; o1[1] = a11; o2[0] = a20; o2[1] = a21;
+    /* stored here, where heads and nv are literals: stored by the caller, through arrays, GCC copied
+     * them with rep movsq (~9% of the attention's samples at 32 rows) */
+    _mm256_storeu_ps(oh + d0, a00);
+    if (nv > 1) _mm256_storeu_ps(oh + d0 + 8, a01);
+    if (heads > 1) _mm256_storeu_ps(oh + D + d0, a10);
+    if (heads > 1 && nv > 1) _mm256_storeu_ps(oh + D + d0 + 8, a11);
+    if (heads > 2) _mm256_storeu_ps(oh + 2 * D + d0, a20);
+    if (heads > 2 && nv > 1) _mm256_storeu_ps(oh + 2 * D + d0 + 8, a21);
 }
 
 /* The 8 scores of keys t0 .. t0 + 7 (krow: their element offsets, past the context the first row's)
@@ -105,6 +112,36 @@ static inline __attribute__((always_inline)) void score_heads(
         _mm256_storeu_ps(dots, _mm256_mul_ps(sum8x8(acc[h]), _mm256_set1_ps(scale)));
         for (int r = 0; r < 8 && t0 + r < ctx; r++) scores[(g + h) * ctx + t0 + r] = dots[r];
     }
+}
+
+/* s (n) <- softmax(s), 8 lanes at a time (fast_exp256; the last n % 8 with fast_expf), the sum as eight
+ * lane sums then hsum256: ~10% of the attention's samples at 32 rows as a scalar loop. */
+static inline void softmax_row(float *s, int64_t n) {
+    const int64_t n8 = n / 8 * 8;
+    float max_score = s[0];
+    if (n8) {
+        __m256 m = _mm256_loadu_ps(s);
+        for (int64_t t = 8; t < n8; t += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + t));
+        _Alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, m);
+        for (int l = 0; l < 8; l++) max_score = lanes[l] > max_score ? lanes[l] : max_score;
+    }
+    for (int64_t t = n8; t < n; t++) max_score = s[t] > max_score ? s[t] : max_score;
+    const __m256 mv = _mm256_set1_ps(max_score);
+    __m256 sv = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n8; t += 8) {
+        const __m256 e = fast_exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
+        _mm256_storeu_ps(s + t, e);
+        sv = _mm256_add_ps(sv, e);
+    }
+    float sum = hsum256(sv);
+    for (int64_t t = n8; t < n; t++) {
+        s[t] = fast_expf(s[t] - max_score);
+        sum += s[t];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < n8; t += 8) _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(inv)));
+    for (int64_t t = n8; t < n; t++) s[t] *= inv;
 }
 
 /* One (sequence, KV head) task with head_dim a multiple of 8, vectorized. Every key and value row is
@@ -134,32 +171,20 @@ static inline __attribute__((always_inline)) void attend_vec(
         if (group - g == 2) score_heads(qh, kbase, krow, t0, ctx, g, 2, D, scale, scores, f16);
         if (group - g == 1) score_heads(qh, kbase, krow, t0, ctx, g, 1, D, scale, scores, f16);
     }
-    for (int64_t g = 0; g < group; g++) {
-        float *s = scores + g * ctx;
-        float max_score = s[0], sum = 0.f;
-        for (int64_t t = 1; t < ctx; t++) max_score = s[t] > max_score ? s[t] : max_score;
-        for (int64_t t = 0; t < ctx; t++) {
-            s[t] = fast_expf(s[t] - max_score);
-            sum += s[t];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < ctx; t++) s[t] *= inv;
-    }
+    for (int64_t g = 0; g < group; g++) softmax_row(scores + g * ctx, ctx);
     for (int64_t g0 = 0; g0 < group; g0 += 3) {
         const int heads = group - g0 < 3 ? (int)(group - g0) : 3;
         for (int64_t d0 = 0; d0 < D; d0 += 16) {
             const int nv = D - d0 < 16 ? 1 : 2;
-            __m256 o[3][2];
             const float *s0 = scores + g0 * ctx;
+            float *o = oh + g0 * D;
             const int first = g0 == 0;
-            if (heads == 3 && nv == 2) value_tile(s0, ctx, vbase, seq_slots, D, d0, 3, 2, first, o[0], o[1], o[2], f16);
-            else if (heads == 3) value_tile(s0, ctx, vbase, seq_slots, D, d0, 3, 1, first, o[0], o[1], o[2], f16);
-            else if (heads == 2 && nv == 2) value_tile(s0, ctx, vbase, seq_slots, D, d0, 2, 2, first, o[0], o[1], o[2], f16);
-            else if (heads == 2) value_tile(s0, ctx, vbase, seq_slots, D, d0, 2, 1, first, o[0], o[1], o[2], f16);
-            else if (nv == 2) value_tile(s0, ctx, vbase, seq_slots, D, d0, 1, 2, first, o[0], o[1], o[2], f16);
-            else value_tile(s0, ctx, vbase, seq_slots, D, d0, 1, 1, first, o[0], o[1], o[2], f16);
-            for (int h = 0; h < heads; h++)
-                for (int j = 0; j < nv; j++) _mm256_storeu_ps(oh + (g0 + h) * D + d0 + 8 * j, o[h][j]);
+            if (heads == 3 && nv == 2) value_tile(s0, ctx, vbase, seq_slots, D, d0, 3, 2, first, o, f16);
+            else if (heads == 3) value_tile(s0, ctx, vbase, seq_slots, D, d0, 3, 1, first, o, f16);
+            else if (heads == 2 && nv == 2) value_tile(s0, ctx, vbase, seq_slots, D, d0, 2, 2, first, o, f16);
+            else if (heads == 2) value_tile(s0, ctx, vbase, seq_slots, D, d0, 2, 1, first, o, f16);
+            else if (nv == 2) value_tile(s0, ctx, vbase, seq_slots, D, d0, 1, 2, first, o, f16);
+            else value_tile(s0, ctx, vbase, seq_slots, D, d0, 1, 1, first, o, f16);
         }
     }
 }
