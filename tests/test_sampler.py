@@ -89,6 +89,19 @@ def test_fast_paths_leave_stages_off():
 
 
 @pytest.mark.parametrize("use_kernels", PATHS)
+@pytest.mark.parametrize("rows", [1, 2, 7])
+def test_all_greedy_batch_equals_torch_argmax(use_kernels, rows):
+    """An all-greedy batch without processors (the kernel's argmax from 2 rows): the first index of each
+    row's maximum, ties and a row of -inf included, whatever path takes it."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randint(-4, 4, (rows, 1003), generator=g).float()  # many ties
+    logits[-1, :] = NEG if rows > 1 else logits[-1, :]
+    md = SamplingMetadata.build([SamplingParams(temperature=0)] * rows, vocab_size=1003)
+    ids, processed = make_sampler(use_kernels).sample(logits, md)
+    assert torch.equal(ids, logits.argmax(dim=-1)) and processed is logits
+
+
+@pytest.mark.parametrize("use_kernels", PATHS)
 def test_greedy_rows_take_argmax_and_filters_restrict_samples(use_kernels):
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(len(MIXED), 1000, generator=g) * 3

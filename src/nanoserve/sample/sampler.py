@@ -167,6 +167,13 @@ def _offsets(rows: torch.Tensor, batch: int) -> torch.Tensor:
     return out
 
 
+# Rows from which an all-greedy batch takes the sampler kernel's argmax (rows in parallel, vectorized; the
+# same first index of the maximum) rather than torch.argmax (one thread, ~25 us per 49k-token row). The
+# kernel's arguments cost ~70 us: measured on 49152 tokens, 1 row 73 vs 43 us, 2 rows 78 vs 88, 8 rows
+# 127 vs 316, 32 rows 166 vs 801.
+GREEDY_KERNEL_MIN_ROWS = 2
+
+
 class Sampler:
     def __init__(self, backend: TorchBackend, generator: Optional[torch.Generator] = None):
         self.generator = generator or torch.Generator().manual_seed(0)
@@ -182,6 +189,8 @@ class Sampler:
         """Returns the sampled ids and, when `md.need_processed`, the processed logits they were drawn
         from (greedy rows: after the processors, without temperature or truncation)."""
         if md.all_greedy and not md.has_processors:
+            if self.backend.has_sampler_kernel and logits.shape[0] >= GREEDY_KERNEL_MIN_ROWS:
+                return self._sample_kernel(logits.contiguous(), md, penalties, None)[0], logits
             return logits.argmax(dim=-1), logits
         keys = None if md.all_greedy else noise_keys(md.seeds, md.positions, self.generator)
         if self.backend.has_sampler_kernel:
