@@ -95,7 +95,8 @@ def test_all_greedy_batch_equals_torch_argmax(use_kernels, rows):
     row's maximum, ties and a row of -inf included, whatever path takes it."""
     g = torch.Generator().manual_seed(3)
     logits = torch.randint(-4, 4, (rows, 1003), generator=g).float()  # many ties
-    logits[-1, :] = NEG if rows > 1 else logits[-1, :]
+    if rows > 1:
+        logits[-1] = NEG  # no finite value: index 0
     md = SamplingMetadata.build([SamplingParams(temperature=0)] * rows, vocab_size=1003)
     ids, processed = make_sampler(use_kernels).sample(logits, md)
     assert torch.equal(ids, logits.argmax(dim=-1)) and processed is logits

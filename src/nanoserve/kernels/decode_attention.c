@@ -65,8 +65,9 @@ static inline __attribute__((always_inline)) void score_tile(
 /* Weighted sum of ctx value rows, dims d0 .. d0 + 8 nv - 1 (nv 1 or 2), for `heads` (1-3) heads whose
  * weights are the rows s0, s0 + ctx, s0 + 2 ctx: up to 6 accumulators, 3 weights, 1 value vector (16
  * dims, not 32: with 12 accumulators GCC spilled one to the stack, a store-load chain through every
- * row), stored at oh + h D + d0 (head h's dims d0 .. d0 + 8 nv - 1). The first pass over these dims (the first 3 heads)
- * asks for each row's part VALUE_PREFETCH_ROWS ahead: the rows prefetched while scoring went to L2 only. */
+ * row), stored at oh + h D + d0 (head h's dims d0 .. d0 + 8 nv - 1). The first pass over these dims (the
+ * first 3 heads) asks for each row's part VALUE_PREFETCH_ROWS ahead: the rows prefetched while scoring
+ * went to L2 only. */
 static inline __attribute__((always_inline)) void value_tile(
         const float *s0, int64_t ctx, const void *vbase, const int64_t *seq_slots, int64_t D, int64_t d0,
         int heads, int nv, int first_pass, float *oh, int f16) {
@@ -89,8 +90,8 @@ static inline __attribute__((always_inline)) void value_tile(
             if (heads > 2) a21 = _mm256_fmadd_ps(p2, v, a21);
         }
     }
-    /* stored here, where heads and nv are literals: stored by the caller, through arrays, GCC copied
-     * them with rep movsq (~9% of the attention's samples at 32 rows) */
+    /* stored here, where heads and nv are literals (returned in arrays for the caller to store, they were
+     * copied with rep movsq: ~9% of the attention's samples at 32 rows) */
     _mm256_storeu_ps(oh + d0, a00);
     if (nv > 1) _mm256_storeu_ps(oh + d0 + 8, a01);
     if (heads > 1) _mm256_storeu_ps(oh + D + d0, a10);
