@@ -350,7 +350,7 @@ NS_ALWAYS_INLINE void k_tile(int t, int ns, const QuantizedRows *xq, const int8_
                             for (int s = 0; s < ns; s++) {
                                 const __m256i p = _mm256_maddubs_epi16(wv[s], xv);
                                 h[s][r] = k == k0 ? p : _mm256_add_epi16(h[s][r], p);
-                                if (W > 2 || K_TILE_SETS(t) == 1) NS_KEEP_IN_REGISTER(h[s][r]); /* a chain per row: see int8_gemm.c's tile_partials */
+                                NS_KEEP_IN_REGISTER(h[s][r]); /* a chain per row: see int8_gemm.c's tile_partials */
                             }
                         }
                     }
