@@ -229,10 +229,24 @@ def test_bench_kernels_measures_each_type(capsys):
     """`nanoserve bench kernels` (small shapes here): one table row per type and row count."""
     from nanoserve.bench import kernels
 
-    kernels.main(["--types", "Q4_K,Q8_0,F16", "--rows", "1,3", "--n", "64", "--k", "512", "--repeats", "1"])
+    kernels.main(["--types", "Q4_K,Q8_0,F16", "--rows", "1,3", "--n", "64", "--k", "512", "--repeats", "1",
+                  "--copies-mib", "1"])
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| Q") or line.startswith("| F")]
     assert [line.split("|")[1:3] for line in lines] == [[f" {t} ", f" {r} "] for t in ("Q4_K", "Q8_0", "F16")
                                                          for r in (1, 3)]
+
+
+def test_bench_kernels_cycles_through_copies_of_the_weights():
+    """Each product of `bench kernels` reads its own copy (so that its weights come from memory, not the
+    L3): copies of the same values in separate memory, together at least the bytes asked for."""
+    from nanoserve.bench.kernels import weight_copies
+    from nanoserve.kernels.quant import random_blocks
+
+    w = random_blocks("Q4_K", 64, 512)
+    layers = weight_copies(w, 5 * w.nbytes - 1)
+    assert len(layers) == 5 and layers[0].parts[0] is w
+    assert len({layer.parts[0].data.data_ptr() for layer in layers}) == 5
+    assert all(torch.equal(layer.parts[0].data, w.data) for layer in layers)
 
 
 @requires_kernels
