@@ -72,3 +72,20 @@ def test_inconsistent_shapes_are_refused():
         QuantWeight("Q4_K", torch.zeros(2, 100, dtype=torch.uint8), 256)
     with pytest.raises(ValueError, match="unsupported"):
         QuantWeight("IQ2_XXS", torch.zeros(2, 66, dtype=torch.uint8), 256)
+
+
+def test_stacked_weights_live_in_weight_memory():
+    """A fused projection's parts are stacked (Linear.set_weight) into a weight_buffer as the loader's
+    weights: from 2 MiB on, starting on a 2 MiB boundary (its pages advised as huge pages), the same values
+    as torch.cat."""
+    from nanoserve.kernels.quant import HUGE_PAGE, stack_rows
+    from nanoserve.model.layers import Linear
+
+    gate, up = (QuantWeight("F16", torch.randn(rows, 1024).half(), 1024) for rows in (1024, 1536))
+    layer = Linear(1024, 2560)
+    layer.set_weight([gate, up])
+    (fused,) = layer.parts
+    assert fused.data.data_ptr() % HUGE_PAGE == 0 and fused.nbytes >= HUGE_PAGE
+    assert torch.equal(fused.data, torch.cat([gate.data, up.data]))
+    small = stack_rows([torch.ones(2, 3), torch.zeros(1, 3)])
+    assert torch.equal(small, torch.tensor([[1.0] * 3, [1.0] * 3, [0.0] * 3]))

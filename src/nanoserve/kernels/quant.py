@@ -1,8 +1,11 @@
 """`QuantWeight`: a weight matrix in its file's form (a GGUF block type, or float32 / float16 / bfloat16),
 with the PyTorch reference that dequantizes it (bit for bit as `gguf.quants.dequantize`), the quantizers
-`--quantization` uses, and the reference for the 8-bit activations the int8 products run on."""
+`--quantization` uses, the reference for the 8-bit activations the int8 products run on, and the memory
+weights live in (`weight_buffer`: on 2 MiB pages)."""
 from __future__ import annotations
 
+import ctypes
+import mmap
 from dataclasses import dataclass
 from typing import Optional
 
@@ -37,6 +40,35 @@ def quantized_type(qtype: str, k: int) -> Optional[str]:
             return t
     return None
 IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+_LIBC = ctypes.CDLL(None)
+_LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
+
+
+def weight_buffer(nbytes: int) -> torch.Tensor:
+    """Memory for one tensor of weights; from 2 MiB on, starting on a 2 MiB boundary, its whole 2 MiB pages
+    advised as huge pages (madvise MADV_HUGEPAGE: this host's THP mode is `madvise`, and PyTorch's
+    allocator advises none). A decode step streams every weight once; on 4 KiB pages each page costs a
+    TLB walk when its turn comes. Measured, SmolLM2 F16's output projection (57 MB, one row, caches and
+    TLB cold): 2.49-2.52 -> 1.63-1.83 ms. The padding before the boundary is never touched, so it is not
+    resident; where the kernel has no free huge page the buffer works on small pages."""
+    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(nbytes, dtype=torch.uint8)
+    whole = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    start = -whole.data_ptr() % HUGE_PAGE
+    buf = whole[start:start + nbytes]
+    _LIBC.madvise(ctypes.c_void_p(buf.data_ptr()), ctypes.c_size_t(nbytes // HUGE_PAGE * HUGE_PAGE), mmap.MADV_HUGEPAGE)
+    return buf
+
+
+def stack_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Matrices of one dtype and width stacked along their rows, in a weight_buffer as the loaded weights
+    (a fused q/k/v or gate/up projection: torch.cat's result would sit on 4 KiB pages)."""
+    rows, width = sum(p.shape[0] for p in parts), parts[0].shape[1]
+    out = weight_buffer(rows * width * parts[0].element_size()).view(parts[0].dtype).view(rows, width)
+    return torch.cat(parts, out=out)
 
 
 @dataclass(eq=False)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.kernels.backend import TorchBackend
-from nanoserve.kernels.quant import FLOAT_TYPES, QuantWeight
+from nanoserve.kernels.quant import FLOAT_TYPES, QuantWeight, stack_rows
 
 
 class Linear(nn.Module):
@@ -38,7 +38,7 @@ class Linear(nn.Module):
             if p.k != self.in_features:
                 raise ValueError(f"weight of {p.k} columns for a layer of {self.in_features} inputs")
             if merged and merged[-1].qtype == p.qtype:
-                merged[-1] = QuantWeight(p.qtype, torch.cat([merged[-1].data, p.data]), p.k)
+                merged[-1] = QuantWeight(p.qtype, stack_rows([merged[-1].data, p.data]), p.k)
             else:
                 merged.append(p)
         if sum(p.shape[0] for p in merged) != self.out_features:

@@ -4,10 +4,8 @@ and one state dict under Hugging Face tensor names: matrices as `QuantWeight` in
 `ModelLoadError` that names the file and the problem."""
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
-import mmap
 import os
 from typing import Optional
 
@@ -15,13 +13,10 @@ import torch
 
 from nanoserve.cache import cache_dir, file_key
 from nanoserve.config import ModelConfig
-from nanoserve.kernels.quant import FLOAT_TYPES, GGML_TYPES, QuantWeight
+from nanoserve.kernels.quant import FLOAT_TYPES, GGML_TYPES, QuantWeight, weight_buffer
 from nanoserve.errors import ModelLoadError  # noqa: F401  (raised here, imported from here by callers)
 from nanoserve.model.default import default_model_path  # noqa: F401  (imported from here by callers)
 
-
-_LIBC = ctypes.CDLL(None)
-_LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 # Architectures we can run, by GGUF name and by Hugging Face class name.
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -162,28 +157,9 @@ def gguf_header(path: str) -> tuple[ModelConfig, list[tuple[str, str, tuple[int,
     return config, tensors
 
 
-HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
-
-
-def _weight_buffer(nbytes: int) -> torch.Tensor:
-    """Memory for one tensor of weights; from 2 MiB on, starting on a 2 MiB boundary, its whole 2 MiB pages
-    advised as huge pages (madvise MADV_HUGEPAGE: this host's THP mode is `madvise`, and PyTorch's
-    allocator advises none). A decode step streams every weight once; on 4 KiB pages each page costs a
-    TLB walk when its turn comes. Measured, SmolLM2 F16's output projection (57 MB, one row, caches and
-    TLB cold): 2.49-2.52 -> 1.63-1.83 ms. The padding before the boundary is never touched, so it is not
-    resident; where the kernel has no free huge page the buffer works on small pages."""
-    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.empty(nbytes, dtype=torch.uint8)
-    whole = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
-    start = -whole.data_ptr() % HUGE_PAGE
-    buf = whole[start:start + nbytes]
-    _LIBC.madvise(ctypes.c_void_p(buf.data_ptr()), ctypes.c_size_t(nbytes // HUGE_PAGE * HUGE_PAGE), mmap.MADV_HUGEPAGE)
-    return buf
-
-
 def _read(f, offset: int, nbytes: int) -> torch.Tensor:
     """nbytes of the file at offset, into memory of our own (no mapping of the file stays behind)."""
-    buf = _weight_buffer(nbytes)
+    buf = weight_buffer(nbytes)
     f.seek(offset)
     if f.readinto(memoryview(buf.numpy())) != nbytes:
         raise ModelLoadError(f"{f.name}: file ends inside a tensor (truncated download?)")
