@@ -15,7 +15,7 @@ import torch
 
 from nanoserve.engine.core import keep_freed_memory
 from nanoserve.kernels.backend import CKernelBackend, select_backend
-from nanoserve.kernels.quant import FLOAT_TYPES, QuantWeight, from_float, random_blocks
+from nanoserve.kernels.quant import FLOAT_TYPES, QuantWeight, from_float, random_blocks, stack_rows
 from nanoserve.model.layers import KVCache, Linear
 
 DEFAULT_TYPES = "Q4_0,Q4_1,Q5_0,Q8_0,Q4_K,Q5_K,Q6_K,F16,BF16"
@@ -28,13 +28,14 @@ def bench_weight(qtype: str, rows: int, k: int) -> QuantWeight:
 
 
 def weight_copies(w: QuantWeight, total_bytes: int) -> list[Linear]:
-    """Layers on copies of `w`, together at least `total_bytes`: the products cycle through them, so that each
-    reads its weights from memory. On one matrix 2.3x a 32 MiB L3, repeated, a third of the reads hit the
-    L3 (Q4_K one row: 38 GB/s, above the 35 GB/s a 1 GiB sum reads from memory)."""
+    """Layers on copies of `w` in weight memory (as the loader's: 2 MiB pages), together at least
+    `total_bytes`: the products cycle through them, so that each reads its weights from memory. On one
+    matrix 2.3x a 32 MiB L3, repeated, a third of the reads hit the L3 (Q4_K one row: 38 GB/s, above the 35
+    GB/s a 1 GiB sum reads from memory)."""
     layers = []
-    for i in range(max(1, -(-total_bytes // w.nbytes))):
+    for _ in range(max(1, -(-total_bytes // w.nbytes))):
         layer = Linear(w.k, w.shape[0])
-        layer.set_weight([w if i == 0 else QuantWeight(w.qtype, w.data.clone(), w.k)])
+        layer.set_weight([QuantWeight(w.qtype, stack_rows([w.data]), w.k)])
         layers.append(layer)
     return layers
 
