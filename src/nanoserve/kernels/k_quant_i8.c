@@ -341,8 +341,12 @@ NS_ALWAYS_INLINE void k_tile(int t, int ns, const QuantizedRows *xq, const int8_
 #pragma GCC unroll 8
                     for (int k = k0; k < k0 + W; k++) {
                         __m256i wv[2];
-                        for (int s = 0; s < ns; s++)
+                        for (int s = 0; s < ns; s++) {
                             wv[s] = _mm256_load_si256((const __m256i *)(u->codes + ((sg0 + s * ng + g) * 8 + j) * 256 + k * 32));
+                            NS_KEEP_IN_REGISTER(wv[s]); /* once a step, not once per row of x (GCC reloaded the
+                                                         * second set's): scripts/kernels_ab.py, Q2_K / Q3_K
+                                                         * 1.02-1.03x, Q4_K 1.01-1.02x, Q5_K 1.00x */
+                        }
                         for (int r = 0; r < TR; r++) {
                             int32_t x4;
                             memcpy(&x4, xb + r * 32 + k * 4, 4);
