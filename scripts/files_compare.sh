@@ -1,34 +1,47 @@
 #!/bin/bash
 # Side by side on the files people download: for each GGUF given, nanoserve and llama.cpp's llama-server
-# (LLAMA_SERVER: the binary built from llama-cpp-python's vendored llama.cpp) one at a time, same file,
-# 2 threads, `bench serve` at concurrency 1, 8 and 32, then the whole server's resident memory (every
-# process of it). The KV caches are sized alike: llama-server -c 16384 (f16), nanoserve 0.36 GiB (f16).
-# Usage: LLAMA_SERVER=... scripts/files_compare.sh FILE.gguf... (prints one JSON line per level).
+# (LLAMA_SERVER: the binary built from llama-cpp-python's vendored llama.cpp), both up at once on the same
+# file (an idle server takes no CPU), 2 threads each. ROUNDS rounds (default 2) of `bench serve` at
+# concurrency 1, 8 and 32, the two servers alternated level by level (which goes first alternates by
+# round), so that the host's drift (10-30% over minutes on a shared machine) falls on both alike; each
+# round its own prompts (a prefix cache must not serve a repeat). Then the whole resident memory of each
+# server (every process of it). The KV caches are sized alike: llama-server -c 16384 (f16), nanoserve
+# 0.36 GiB (f16). Usage: LLAMA_SERVER=... [ROUNDS=2] scripts/files_compare.sh FILE.gguf... > LOG
+# (one JSON line per server, round and level, then one per server with rss_mib); then
+# `python scripts/files_table.py LOG` prints the table (medians over the rounds).
 cd "$(dirname "$0")/.."
 OUTPUT_LEN=${OUTPUT_LEN:-64}
+ROUNDS=${ROUNDS:-2}
+[ -x "${LLAMA_SERVER:-}" ] || { echo "$0: set LLAMA_SERVER to llama.cpp's llama-server binary" >&2; exit 1; }
 . scripts/wait_up.sh
 tree_rss_mib() {  # resident memory of a process and all its descendants
     ps -e -o pid=,ppid=,rss= | awk -v root="$1" '{p[$1]=$2; r[$1]=$3} END {
         for (x in p) { y=x; while (y && y != root) y=p[y]; if (y == root) s += r[x] } printf "%.0f", s/1024 }'
 }
+bench() {  # bench SERVER PORT ROUND LEVEL NAME: the same prompts for both servers, new ones each round and level
+    .venv/bin/nanoserve bench serve --url "http://127.0.0.1:$2" --concurrency "$4" --output-len "$OUTPUT_LEN" \
+        --seed $((100 * $3 + $4)) --warmup "$([ "$4" = 1 ] && echo 2 || echo 0)" --label "$1 $5" --json |
+        sed "s/^{/{\"round\": $3, /"
+}
 for M in "$@"; do
     name=$(basename "$M" .gguf)
     .venv/bin/nanoserve serve "$M" --port 8031 --kv-cache-memory 0.36 > "/tmp/files-nano-$name.log" 2>&1 &
-    pid=$!
-    wait_up http://127.0.0.1:8031/health $pid
-    .venv/bin/nanoserve bench serve --url http://127.0.0.1:8031 --concurrency 1,8,32 --output-len "$OUTPUT_LEN" \
-        --label "nanoserve $name" --json
+    nano=$!
+    wait_up http://127.0.0.1:8031/health $nano
+    "$LLAMA_SERVER" -m "$M" --port 8032 -t 2 -tb 2 -np 32 -c 16384 -cb > "/tmp/files-llama-$name.log" 2>&1 &
+    llama=$!
+    wait_up http://127.0.0.1:8032/health $llama
+    for round in $(seq "$ROUNDS"); do
+        for level in 1 8 32; do
+            if [ $((round % 2)) = 1 ]; then
+                bench nanoserve 8031 "$round" $level "$name"; bench llama-server 8032 "$round" $level "$name"
+            else
+                bench llama-server 8032 "$round" $level "$name"; bench nanoserve 8031 "$round" $level "$name"
+            fi
+        done
+    done
     sleep 3  # resident memory once the load is over (the engine hands freed heap back when it goes idle)
-    echo "{\"label\": \"nanoserve $name\", \"rss_mib\": $(tree_rss_mib $pid)}"
-    kill -INT $pid; wait $pid 2>/dev/null; sleep 2
-    if [ -x "${LLAMA_SERVER:-}" ]; then
-        "$LLAMA_SERVER" -m "$M" --port 8032 -t 2 -tb 2 -np 32 -c 16384 -cb > "/tmp/files-llama-$name.log" 2>&1 &
-        pid=$!
-        wait_up http://127.0.0.1:8032/health $pid
-        .venv/bin/nanoserve bench serve --url http://127.0.0.1:8032 --concurrency 1,8,32 --output-len "$OUTPUT_LEN" \
-            --label "llama-server $name" --json
-        sleep 3
-        echo "{\"label\": \"llama-server $name\", \"rss_mib\": $(tree_rss_mib $pid)}"
-        kill $pid; wait $pid 2>/dev/null; sleep 2
-    fi
+    echo "{\"label\": \"nanoserve $name\", \"rss_mib\": $(tree_rss_mib $nano)}"
+    echo "{\"label\": \"llama-server $name\", \"rss_mib\": $(tree_rss_mib $llama)}"
+    kill -INT $nano; kill $llama; wait $nano $llama 2>/dev/null; sleep 2
 done

@@ -1,0 +1,67 @@
+"""The benchmark scripts' own logic: scripts/files_table.py's medians and paired ratios over rounds, and
+scripts/kernels_ab.py run end to end on a small product (both builds from this checkout)."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import files_table  # noqa: E402
+
+
+def report(label, round_, level, tok_s, itl=0.01):
+    return json.dumps({"label": label, "round": round_, "concurrency": level, "output_tok_per_s": tok_s,
+                       "itl_p50": itl})
+
+
+def test_files_table_takes_medians_and_pairs_ratios_by_round(tmp_path, capsys):
+    lines = []
+    # nanoserve 2x, 3x and 1x llama-server in three rounds at c=32: the median of the paired ratios is 2x
+    # (a median of each server's tok/s apart would read 300 / 100 = 3x)
+    for r, (nano, llama) in enumerate([(200, 100), (300, 100), (400, 400)], start=1):
+        for level in (1, 8):
+            lines += [report("nanoserve f", r, level, 50, itl=0.005 * r), report("llama-server f", r, level, 25)]
+        lines += [report("nanoserve f", r, 32, nano), report("llama-server f", r, 32, llama)]
+    lines += ['{"label": "nanoserve f", "rss_mib": 900}', '{"label": "llama-server f", "rss_mib": 700}']
+    # a file only one server ran is left out of the table
+    lines.append(report("nanoserve g", 1, 1, 10))
+    log = tmp_path / "log"
+    log.write_text("\n".join(lines) + "\nnot json\n")
+    files_table.main([str(log), "f=File F"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 3  # header, rule, one file
+    cells = [c.strip() for c in out[2].strip("|").split("|")]
+    assert cells[0] == "File F"
+    assert cells[1] == "10.0 / 10.0 ms"  # ITL p50 medians: 5, 10, 15 ms and 10 ms
+    assert cells[3] == "2.00x (2.00-2.00)"
+    assert cells[7] == "2.00x (1.00-3.00)"
+    assert cells[6] == "300.0 / 100.0"
+    assert cells[8] == "900 / 700"
+
+
+def test_files_table_reads_logs_without_rounds(tmp_path, capsys):
+    lines = [report(f"{s} f", 1, c, t) for c in (1, 8, 32) for s, t in (("nanoserve", 30), ("llama-server", 20))]
+    log = tmp_path / "log"
+    log.write_text("\n".join(json.dumps({k: v for k, v in json.loads(l).items() if k != "round"}) for l in lines))
+    files_table.main([str(log)])
+    row = capsys.readouterr().out.strip().splitlines()[2]
+    assert "| f |" in row and "1.50x |" in row and "(" not in row.split("|")[4]
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not os.path.isdir(os.path.join(ROOT, ".git")),
+                    reason="needs a git checkout")
+def test_kernels_ab_compares_a_revision_with_the_working_tree():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "kernels_ab.py"), "--types", "Q4_K,Q8_0",
+                          "--n", "64", "--k", "256", "--rows", "1,32", "--rounds", "4", "--copies-mib", "1"],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    rows = [l for l in out.stdout.splitlines() if " rows " in l]
+    assert len(rows) == 4
+    for line in rows:
+        ratio = float(line.split("base / working tree ")[1].split("x")[0])
+        assert ratio > 0
