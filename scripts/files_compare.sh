@@ -4,10 +4,11 @@
 # file (an idle server takes no CPU), 2 threads each. ROUNDS rounds (default 2) of `bench serve` at
 # concurrency 1, 8 and 32, the two servers alternated level by level (which goes first alternates by
 # round), so that the host's drift (10-30% over minutes on a shared machine) falls on both alike; each
-# round its own prompts (a prefix cache must not serve a repeat). Then the whole resident memory of each
-# server (every process of it). The KV caches are sized alike: llama-server -c 16384 (f16), nanoserve
-# 0.36 GiB (f16). Usage: LLAMA_SERVER=... [ROUNDS=2] scripts/files_compare.sh FILE.gguf... > LOG
-# (one JSON line per server, round and level, then one per server with rss_mib); then
+# round its own prompts (a prefix cache must not serve a repeat). After each round, the whole resident
+# memory of each server (every process of it). The KV caches are sized alike: llama-server -c 16384
+# (f16), nanoserve 0.36 GiB (f16).
+# Usage: LLAMA_SERVER=... [ROUNDS=2] scripts/files_compare.sh FILE.gguf... > LOG (one JSON line per
+# server, round and level, and per server and round one with rss_mib); then
 # `python scripts/files_table.py LOG` prints the table (medians over the rounds).
 cd "$(dirname "$0")/.."
 OUTPUT_LEN=${OUTPUT_LEN:-64}
@@ -39,9 +40,11 @@ for M in "$@"; do
                 bench llama-server 8032 "$round" $level "$name"; bench nanoserve 8031 "$round" $level "$name"
             fi
         done
+        # resident memory once the round's load is over (the engine hands freed heap back when it goes
+        # idle); llama-server's grows round by round with its prompt cache in RAM (--cache-ram, 8 GiB)
+        sleep 3
+        echo "{\"round\": $round, \"label\": \"nanoserve $name\", \"rss_mib\": $(tree_rss_mib $nano)}"
+        echo "{\"round\": $round, \"label\": \"llama-server $name\", \"rss_mib\": $(tree_rss_mib $llama)}"
     done
-    sleep 3  # resident memory once the load is over (the engine hands freed heap back when it goes idle)
-    echo "{\"label\": \"nanoserve $name\", \"rss_mib\": $(tree_rss_mib $nano)}"
-    echo "{\"label\": \"llama-server $name\", \"rss_mib\": $(tree_rss_mib $llama)}"
     kill -INT $nano; kill $llama; wait $nano $llama 2>/dev/null; sleep 2
 done

@@ -1,5 +1,6 @@
 """The table of a `scripts/files_compare.sh` log, in markdown: per file, the c=1 decode step (ITL p50) of both
-servers, output tok/s at each concurrency with the ratio nanoserve / llama-server, and resident memory.
+servers, output tok/s at each concurrency with the ratio nanoserve / llama-server, and resident memory
+after the first round.
 Figures are medians over the rounds; a ratio is the median of the rounds' ratios (each round's two
 servers ran minutes apart at most), its range in brackets where there were several rounds.
 Usage: python scripts/files_table.py LOG [FILE_BASENAME=LABEL ...]"""
@@ -20,8 +21,8 @@ def load(path: str):
         server, name = r["label"].split(" ", 1)
         if name not in order:
             order.append(name)
-        if "rss_mib" in r:
-            runs[(name, server)]["rss"] = r["rss_mib"]
+        if "rss_mib" in r:  # after the first round: llama-server's prompt cache in RAM grows with each
+            runs[(name, server)].setdefault("rss", r["rss_mib"])
         else:
             runs[(name, server)][r["concurrency"]][r.get("round", 1)] = r
     return runs, order
