@@ -13,6 +13,10 @@
 cd "$(dirname "$0")/.."
 OUTPUT_LEN=${OUTPUT_LEN:-64}
 ROUNDS=${ROUNDS:-2}
+# An even count: which server runs first alternates by round, so that any effect of the order falls on
+# both alike (in a 3-round run on the 1.1B Q4_K_M, whichever server ran first read a c=1 decode step
+# 2-7 ms longer than when it ran second; nanoserve ran first twice and its median took that).
+[ $((ROUNDS % 2)) = 0 ] || { echo "$0: ROUNDS must be even (each server first in as many rounds)" >&2; exit 1; }
 [ -x "${LLAMA_SERVER:-}" ] || { echo "$0: set LLAMA_SERVER to llama.cpp's llama-server binary" >&2; exit 1; }
 . scripts/wait_up.sh
 tree_rss_mib() {  # resident memory of a process and all its descendants
