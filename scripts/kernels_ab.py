@@ -4,7 +4,7 @@ product called on each in turn, round after round, on weights cycled through cop
 in a model step). On a shared host whose speed drifts by 10-30% over minutes, runs minutes apart cannot
 show a change of a few percent; alternating call by call can (the same build against itself reads
 0.98-1.01x, its quartiles within ~3%).
-Usage: python scripts/kernels_ab.py [--base REV] [--types Q4_K,Q6_K] [--n 8192] [--k 2048] [--rows 32,128]
+Usage: python scripts/kernels_ab.py [--base REV | --base-dir DIR] [--types Q4_K,Q6_K] [--n 8192] [--k 2048] [--rows 32,128]
 Prints per type and row count the median time of each build and the median of the paired ratios
 base / working tree (above 1: the working tree is faster), with their quartiles."""
 import argparse
@@ -38,8 +38,7 @@ def sources_at(rev: str, into: str) -> str:
 
 def backend_from(kernel_dir: str, threads: int) -> CKernelBackend:
     """The C backend compiled from the sources in `kernel_dir` (cached by their build key, as the engine's)."""
-    build.KERNEL_DIR = kernel_dir
-    lib, key, target = build.load_library()
+    lib, key, target = build.load_library(source_dir=kernel_dir)
     abi.bind(lib)
     return CKernelBackend(lib, key, target.name, threads)
 
@@ -47,6 +46,8 @@ def backend_from(kernel_dir: str, threads: int) -> CKernelBackend:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--base", default="HEAD", help="git revision to compare the working tree's kernels with")
+    ap.add_argument("--base-dir", default=None, help="a directory of kernel sources to compare with, instead of "
+                    "a revision (an experiment kept outside git)")
     ap.add_argument("--types", default="Q4_K,Q6_K")
     ap.add_argument("--n", type=int, default=8192, help="output features (weight rows)")
     ap.add_argument("--k", type=int, default=2048, help="input features")
@@ -57,9 +58,9 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        base = backend_from(sources_at(args.base, tmp), args.threads)
+        base = backend_from(args.base_dir or sources_at(args.base, tmp), args.threads)
         work = backend_from(os.path.join(ROOT, KERNELS), args.threads)
-    print(f"base {args.base} ({base.build_key}) against the working tree ({work.build_key})", flush=True)
+    print(f"base {args.base_dir or args.base} ({base.build_key}) against the working tree ({work.build_key})", flush=True)
     if base.build_key == work.build_key:
         print("the working tree's kernels are the base's: nothing to compare", file=sys.stderr)
     for t in args.types.split(","):

@@ -102,12 +102,12 @@ def find_toolchain() -> Toolchain:
     return Toolchain(compiler, out.stdout.splitlines()[0].strip() if out.stdout else "unknown")
 
 
-def build_key(toolchain: Toolchain, target: Target) -> str:
+def build_key(toolchain: Toolchain, target: Target, source_dir: str = KERNEL_DIR) -> str:
     digest = hashlib.sha256()
     for part in (target.name, " ".join(target.flags + FLAGS), " ".join(toolchain.compiler), toolchain.version):
         digest.update(part.encode() + b"\0")
     for name in SOURCES + HEADERS:
-        with open(os.path.join(KERNEL_DIR, name), "rb") as f:
+        with open(os.path.join(source_dir, name), "rb") as f:
             digest.update(name.encode() + b"\0" + f.read())
     return digest.hexdigest()[:20]
 
@@ -116,10 +116,10 @@ def library_path(key: str, target: Target) -> str:
     return os.path.join(cache_dir("kernels"), f"nanoserve-kernels-{target.name}-{key}.so")
 
 
-def compile_library(toolchain: Toolchain, target: Target, key: str, path: str) -> None:
+def compile_library(toolchain: Toolchain, target: Target, key: str, path: str, source_dir: str = KERNEL_DIR) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
-    cmd = [*toolchain.compiler, *target.flags, *FLAGS, f'-DNS_BUILD_KEY="{key}"', *[os.path.join(KERNEL_DIR, s) for s in SOURCES],
+    cmd = [*toolchain.compiler, *target.flags, *FLAGS, f'-DNS_BUILD_KEY="{key}"', *[os.path.join(source_dir, s) for s in SOURCES],
            "-o", tmp, "-lm"]
     try:
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -166,13 +166,14 @@ def prune_old_builds(keep: str) -> None:
             pass
 
 
-def load_library(target_name: Optional[str] = None) -> tuple[ctypes.CDLL, str, Target]:
+def load_library(target_name: Optional[str] = None, source_dir: str = KERNEL_DIR) -> tuple[ctypes.CDLL, str, Target]:
     """The compiled kernels for this machine (built on first use), their build key and target (the
     named one, or the fastest that fits this CPU). Raises `KernelBuildError` with the reason when they
-    cannot be used here."""
+    cannot be used here. `source_dir`: where the sources are (another revision's, for
+    scripts/kernels_ab.py); the engine's are this package's."""
     target = choose_target(target_name)
     toolchain = find_toolchain()
-    key = build_key(toolchain, target)
+    key = build_key(toolchain, target, source_dir)
     path = library_path(key, target)
     if os.path.isfile(path):
         lib = None
@@ -185,7 +186,7 @@ def load_library(target_name: Optional[str] = None) -> tuple[ctypes.CDLL, str, T
             logger.warning("ignoring the cached kernel library %s (%s); rebuilding it", path, exc)
             unload(lib)
             os.remove(path)
-    compile_library(toolchain, target, key, path)
+    compile_library(toolchain, target, key, path, source_dir)
     lib = ctypes.CDLL(path)
     verify_library(lib, key)
     prune_old_builds(keep=path)
