@@ -7,12 +7,17 @@
 # round its own prompts (a prefix cache must not serve a repeat). After each round, the whole resident
 # memory of each server (every process of it). The KV caches are sized alike: llama-server -c 16384
 # (f16), nanoserve 0.36 GiB (f16).
-# Usage: LLAMA_SERVER=... [ROUNDS=2] scripts/files_compare.sh FILE.gguf... > LOG (one JSON line per
-# server, round and level, and per server and round one with rss_mib); then
-# `python scripts/files_table.py LOG` prints the table (medians over the rounds).
+# Usage: LLAMA_SERVER=... [ROUNDS=2] [LEVELS="1 8 32"] [C1_PROMPTS=6] scripts/files_compare.sh FILE.gguf...
+# > LOG (one JSON line per server, round and level, and per server and round one with rss_mib); then
+# `python scripts/files_table.py LOG` prints the table (medians over the rounds). The c=1 level runs
+# C1_PROMPTS requests of OUTPUT_LEN tokens one after another (its ITL median over ~380 steps; with 2, the
+# default of `bench serve`, 128 steps read a 1.1B file's step from 22.5 to 30.5 ms over five rounds);
+# LEVELS=1 with more ROUNDS measures batch-1 alone.
 cd "$(dirname "$0")/.."
 OUTPUT_LEN=${OUTPUT_LEN:-64}
 ROUNDS=${ROUNDS:-2}
+LEVELS=${LEVELS:-1 8 32}
+C1_PROMPTS=${C1_PROMPTS:-6}
 # An even count: which server runs first alternates by round, so that any effect of the order falls on
 # both alike (in a 3-round run on the 1.1B Q4_K_M, whichever server ran first read a c=1 decode step
 # 2-7 ms longer than when it ran second; nanoserve ran first twice and its median took that).
@@ -25,6 +30,7 @@ tree_rss_mib() {  # resident memory of a process and all its descendants
 }
 bench() {  # bench SERVER PORT ROUND LEVEL NAME: the same prompts for both servers, new ones each round and level
     .venv/bin/nanoserve bench serve --url "http://127.0.0.1:$2" --concurrency "$4" --output-len "$OUTPUT_LEN" \
+        --num-prompts "$([ "$4" = 1 ] && echo "$C1_PROMPTS" || echo $((2 * $4)))" \
         --seed $((100 * $3 + $4)) --warmup "$([ "$4" = 1 ] && echo 2 || echo 0)" --label "$1 $5" --json |
         sed "s/^{/{\"round\": $3, /"
 }
@@ -37,7 +43,7 @@ for M in "$@"; do
     llama=$!
     wait_up http://127.0.0.1:8032/health $llama
     for round in $(seq "$ROUNDS"); do
-        for level in 1 8 32; do
+        for level in $LEVELS; do
             if [ $((round % 2)) = 1 ]; then
                 bench nanoserve 8031 "$round" $level "$name"; bench llama-server 8032 "$round" $level "$name"
             else

@@ -1,6 +1,7 @@
 """The table of a `scripts/files_compare.sh` log, in markdown: per file, the c=1 decode step (ITL p50) of both
-servers, output tok/s at each concurrency with the ratio nanoserve / llama-server, and resident memory
-after the first round.
+servers and its ratio llama-server / nanoserve (above 1: nanoserve's step is shorter; the issue's batch-1
+measure), output tok/s at each concurrency the log has with the ratio nanoserve / llama-server, and
+resident memory after the first round.
 Figures are medians over the rounds; a ratio is the median of the rounds' ratios (each round's two
 servers ran minutes apart at most), its range in brackets where there were several rounds.
 Usage: python scripts/files_table.py LOG [FILE_BASENAME=LABEL ...]"""
@@ -28,10 +29,11 @@ def load(path: str):
     return runs, order
 
 
-def ratio_cell(nano: dict, llama: dict) -> str:
-    """Median of the per-round ratios of output tok/s, with their range."""
+def ratio_cell(nano: dict, llama: dict, key: str = "output_tok_per_s", inverse: bool = False) -> str:
+    """Median of the per-round ratios nanoserve / llama-server of `key` (llama-server / nanoserve where
+    `inverse`, for times), with their range."""
     rounds = sorted(set(nano) & set(llama))
-    ratios = [nano[k]["output_tok_per_s"] / llama[k]["output_tok_per_s"] for k in rounds]
+    ratios = [(llama[k][key] / nano[k][key]) if inverse else (nano[k][key] / llama[k][key]) for k in rounds]
     cell = f"{statistics.median(ratios):.2f}x"
     return cell + (f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else "")
 
@@ -39,16 +41,21 @@ def ratio_cell(nano: dict, llama: dict) -> str:
 def main(argv: list[str]) -> None:
     runs, order = load(argv[0])
     labels = dict(a.split("=", 1) for a in argv[1:])
-    print("| file | ITL p50 c=1, nanoserve / llama-server | c=1 tok/s | ratio | c=8 tok/s | ratio | c=32 tok/s "
-          "| ratio | RSS MiB nanoserve / llama-server |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    # the concurrency levels the log has (files_compare.sh's LEVELS), the same for every file shown
+    levels = sorted({c for runs_of in runs.values() for c in runs_of if isinstance(c, int)})
+    head = "| file |" + (" ITL p50 c=1, nanoserve / llama-server | ratio |" if 1 in levels else "")
+    print(head + "".join(f" c={c} tok/s | ratio |" for c in levels) + " RSS MiB nanoserve / llama-server |")
+    print("|" + "---|" * (head.count("|") - 1 + 2 * len(levels) + 1))
     med = lambda level, key: statistics.median(r[key] for r in level.values())
     for name in order:
         n, l = runs[(name, "nanoserve")], runs.get((name, "llama-server"), {})
-        if not all(c in n and c in l for c in (1, 8, 32)):
+        if not all(c in n and c in l for c in levels):
             continue
-        cells = [f"{med(n[1], 'itl_p50') * 1e3:.1f} / {med(l[1], 'itl_p50') * 1e3:.1f} ms"]
-        for c in (1, 8, 32):
+        cells = []
+        if 1 in levels:
+            cells += [f"{med(n[1], 'itl_p50') * 1e3:.1f} / {med(l[1], 'itl_p50') * 1e3:.1f} ms",
+                      ratio_cell(n[1], l[1], "itl_p50", inverse=True)]
+        for c in levels:
             cells += [f"{med(n[c], 'output_tok_per_s'):.1f} / {med(l[c], 'output_tok_per_s'):.1f}", ratio_cell(n[c], l[c])]
         cells.append(f"{n.get('rss', '?')} / {l.get('rss', '?')}")
         print(f"| {labels.get(name, name)} | " + " | ".join(cells) + " |")

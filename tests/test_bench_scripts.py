@@ -37,10 +37,11 @@ def test_files_table_takes_medians_and_pairs_ratios_by_round(tmp_path, capsys):
     cells = [c.strip() for c in out[2].strip("|").split("|")]
     assert cells[0] == "File F"
     assert cells[1] == "10.0 / 10.0 ms"  # ITL p50 medians: 5, 10, 15 ms and 10 ms
-    assert cells[3] == "2.00x (2.00-2.00)"
-    assert cells[7] == "2.00x (1.00-3.00)"
-    assert cells[6] == "300.0 / 100.0"
-    assert cells[8] == "900 / 700"
+    assert cells[2] == "1.00x (0.67-2.00)"  # llama-server's step / nanoserve's, paired by round
+    assert cells[4] == "2.00x (2.00-2.00)"
+    assert cells[8] == "2.00x (1.00-3.00)"
+    assert cells[7] == "300.0 / 100.0"
+    assert cells[9] == "900 / 700"
 
 
 def test_files_table_reads_logs_without_rounds(tmp_path, capsys):
@@ -49,7 +50,20 @@ def test_files_table_reads_logs_without_rounds(tmp_path, capsys):
     log.write_text("\n".join(json.dumps({k: v for k, v in json.loads(l).items() if k != "round"}) for l in lines))
     files_table.main([str(log)])
     row = capsys.readouterr().out.strip().splitlines()[2]
-    assert "| f |" in row and "1.50x |" in row and "(" not in row.split("|")[4]
+    assert "| f |" in row and "1.50x |" in row and "(" not in row.split("|")[5]
+
+
+def test_files_table_shows_the_levels_the_log_has(tmp_path, capsys):
+    """A batch-1 run (files_compare.sh with LEVELS=1): the ITL columns and c=1 only."""
+    lines = [report(f"{s} f", r, 1, t, itl=i) for r in (1, 2) for s, t, i in (("nanoserve", 40, 0.020), ("llama-server", 36, 0.024))]
+    log = tmp_path / "log"
+    log.write_text("\n".join(lines))
+    files_table.main([str(log)])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0].count("|") == out[1].count("|") == out[2].count("|") == 7
+    assert "c=8" not in out[0] and "c=32" not in out[0]
+    cells = [c.strip() for c in out[2].strip("|").split("|")]
+    assert cells[1:5] == ["20.0 / 24.0 ms", "1.20x (1.20-1.20)", "40.0 / 36.0", "1.11x (1.11-1.11)"]
 
 
 def test_kernels_ab_compares_two_kernel_builds():
