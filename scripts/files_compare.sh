@@ -28,9 +28,11 @@ tree_rss_mib() {  # resident memory of a process and all its descendants
     ps -e -o pid=,ppid=,rss= | awk -v root="$1" '{p[$1]=$2; r[$1]=$3} END {
         for (x in p) { y=x; while (y && y != root) y=p[y]; if (y == root) s += r[x] } printf "%.0f", s/1024 }'
 }
-bench() {  # bench SERVER PORT ROUND LEVEL NAME: the same prompts for both servers, new ones each round and level
+# bench SERVER PORT ROUND LEVEL NAME: the same prompts for both servers, new ones each round and level; C1_PROMPTS
+# requests at c=1, else bench serve's own count (--num-prompts 0: 2 x concurrency)
+bench() {
     .venv/bin/nanoserve bench serve --url "http://127.0.0.1:$2" --concurrency "$4" --output-len "$OUTPUT_LEN" \
-        --num-prompts "$([ "$4" = 1 ] && echo "$C1_PROMPTS" || echo $((2 * $4)))" \
+        --num-prompts "$([ "$4" = 1 ] && echo "$C1_PROMPTS" || echo 0)" \
         --seed $((100 * $3 + $4)) --warmup "$([ "$4" = 1 ] && echo 2 || echo 0)" --label "$1 $5" --json |
         sed "s/^{/{\"round\": $3, /"
 }

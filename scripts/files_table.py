@@ -43,9 +43,10 @@ def main(argv: list[str]) -> None:
     labels = dict(a.split("=", 1) for a in argv[1:])
     # the concurrency levels the log has (files_compare.sh's LEVELS), the same for every file shown
     levels = sorted({c for runs_of in runs.values() for c in runs_of if isinstance(c, int)})
-    head = "| file |" + (" ITL p50 c=1, nanoserve / llama-server | ratio |" if 1 in levels else "")
-    print(head + "".join(f" c={c} tok/s | ratio |" for c in levels) + " RSS MiB nanoserve / llama-server |")
-    print("|" + "---|" * (head.count("|") - 1 + 2 * len(levels) + 1))
+    columns = ["file"] + (["ITL p50 c=1, nanoserve / llama-server", "ratio"] if 1 in levels else [])
+    columns += [name for c in levels for name in (f"c={c} tok/s", "ratio")] + ["RSS MiB nanoserve / llama-server"]
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
     med = lambda level, key: statistics.median(r[key] for r in level.values())
     for name in order:
         n, l = runs[(name, "nanoserve")], runs.get((name, "llama-server"), {})
