@@ -19,7 +19,7 @@ import torch
 
 from nanoserve.kernels import abi, build
 from nanoserve.kernels.backend import CKernelBackend
-from nanoserve.kernels.quant import random_blocks
+from nanoserve.kernels.quant import FLOAT_TYPES, from_float, random_blocks
 from nanoserve.model.layers import Linear
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,6 +43,13 @@ def backend_from(kernel_dir: str, threads: int) -> CKernelBackend:
     return CKernelBackend(lib, key, target.name, threads)
 
 
+def random_weight(qtype: str, rows: int, k: int, seed: int = 0):
+    """Random blocks of a block type; a float type (F16, BF16, F32) from random float32 weights."""
+    if qtype in FLOAT_TYPES:
+        return from_float(torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)) * 0.02, qtype)
+    return random_blocks(qtype, rows, k, seed=seed)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--base", default="HEAD", help="git revision to compare the working tree's kernels with")
@@ -64,12 +71,12 @@ def main(argv=None) -> None:
     if base.build_key == work.build_key:
         print("the working tree's kernels are the base's: nothing to compare", file=sys.stderr)
     for t in args.types.split(","):
-        w = random_blocks(t, args.n, args.k)
+        w = random_weight(t, args.n, args.k)
         copies = max(1, (args.copies_mib << 20) // (w.data.numel() * w.data.element_size()))
         layers = []
         for c in range(copies):
             layer = Linear(args.k, args.n)
-            layer.set_weight([w if c == 0 else random_blocks(t, args.n, args.k, seed=c)])
+            layer.set_weight([w if c == 0 else random_weight(t, args.n, args.k, seed=c)])
             layers.append(layer)
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, args.k)

@@ -124,8 +124,7 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int6
 }
 
 /* Ask for weight rows first .. first + count - 1 (clipped to the matrix) before unpack_group decodes
- * them, one set of rows ahead (past a group's last set: the rows after it, the thread's next group but
- * after the last of its take). Rows are contiguous, and a row of a few hundred bytes ends before the
+ * them, one set of rows ahead (past a group's last set: the rows after it, the next group). Rows are contiguous, and a row of a few hundred bytes ends before the
  * hardware prefetcher follows it. Measured 2026-12-04, offline c=32-like load on SmolLM2 Q4_K_M (mostly
  * Q5_0 rows of 396 bytes): 378-396 -> 445-450 output tok/s, alternated twice; Q8_0 no faster, and the
  * same in the K types' GEMM (the 1.1B file's rows of 1152+ bytes) gave nothing, so it does without. */
@@ -249,7 +248,6 @@ NS_ALWAYS_INLINE void tile_partials(int t, const int8_t *qp, const float *const 
  * (6 KiB a panel). int16 codes take twice the bytes of int8 ones: groups of 32 rows over whole rows
  * (36 KiB at K = 576) ran at 0.7x. */
 #define NGI16 16
-#define GROUPS16_PER_TAKE 6 /* 96 rows a take, as GROUPS_PER_TAKE groups of NGI (N = 576: 6 takes, not 9 for 2 threads) */
 #define INT16_CHUNK_BLOCKS 24 /* a multiple of 8 */
 
 /* tile_partials for the GEMM_INT16 types over blocks b0 .. b1 - 1: ns (1 or 2, a literal) sets of SUB
@@ -301,7 +299,7 @@ NS_ALWAYS_INLINE void gemm_group16(int t, const QuantizedRows *xq, const BlockWe
     const int ns = cols > SUB ? 2 : 1;
     unpack_group(t, w, n0, cols, nb, wu, NULL, dv, NULL);
     if (nb < 8) memset(part, 0, sizeof(__m256) * (size_t)(panels * 2 * TR * 8)); /* else the first eight blocks set them */
-    NextGroupPrefetch next = next_group_prefetch(w, n0, cols, NGI16, GROUPS16_PER_TAKE, panels * chunks);
+    NextGroupPrefetch next = next_group_prefetch(w, n0, cols, NGI16, panels * chunks);
     for (int64_t b0 = 0; b0 < nb; b0 += INT16_CHUNK_BLOCKS) {
         const int64_t b1 = nb - b0 < INT16_CHUNK_BLOCKS ? nb : b0 + INT16_CHUNK_BLOCKS;
         for (int64_t p = 0; p < panels; p++) {
@@ -349,7 +347,7 @@ NS_ALWAYS_INLINE void gemm_group(int t, const QuantizedRows *xq, const BlockWeig
         for (int v = 0; v < NGI / 8; v++) _mm256_storeu_ps(m_terms + i * NGI + v * 8, sum_partials(part[v]));
     }
     if (TYPE_SIGNED(t)) memset(m_terms, 0, sizeof(float) * (size_t)(M * NGI));
-    NextGroupPrefetch next = next_group_prefetch(w, n0, cols, NGI, GROUPS_PER_TAKE, panels * sets);
+    NextGroupPrefetch next = next_group_prefetch(w, n0, cols, NGI, panels * sets);
     for (int64_t p = 0; p < panels; p++) {
         const int8_t *qp = xq->q + (i0 / TR + p) * nb * TR * 32;
         const int64_t rows = M - p * TR < TR ? M - p * TR : TR;
@@ -377,7 +375,6 @@ NS_ALWAYS_INLINE void gemm_group(int t, const QuantizedRows *xq, const BlockWeig
 static void gemm_rows(const QuantizedRows *xq, const BlockWeight *w, float *out, int64_t ldo, int64_t i0, int64_t M,
                       int64_t nb, int64_t N) {
     const int64_t group_rows = GEMM_INT16(w->type) ? NGI16 : NGI, groups = (N + group_rows - 1) / group_rows;
-    const int take = GEMM_INT16(w->type) ? GROUPS16_PER_TAKE : GROUPS_PER_TAKE;
 #pragma omp parallel
     {
         uint8_t *wu = aligned_alloc(32, (size_t)(NGI * nb * 64)); /* int16 codes for GEMM_INT16 (NGI16 < NGI) */
@@ -388,7 +385,7 @@ static void gemm_rows(const QuantizedRows *xq, const BlockWeight *w, float *out,
         float *dv = aligned_alloc(32, sizeof(float) * (size_t)(NGI * nb));
         float *mt = wide ? NULL : malloc(sizeof(float) * (size_t)(nb * NGI));
         float *m_terms = wide ? NULL : malloc(sizeof(float) * (size_t)(M * NGI)); /* [row][col] */
-#pragma omp for schedule(dynamic, take)
+#pragma omp for GEMM_SCHEDULE
         for (int64_t g = 0; g < groups; g++) {
             const int64_t n0 = g * group_rows, cols = N - n0 < group_rows ? N - n0 : group_rows;
             switch (w->type) {

@@ -420,7 +420,7 @@ NS_ALWAYS_INLINE void k_gemm_group(int t, const QuantizedRows *xq, const BlockWe
                                    int64_t i0, int64_t M, int64_t nb, int64_t n0, int64_t cols, KGroup u) {
     const int64_t ng = nb / 8, sets = (cols + SUB - 1) / SUB;
     k_unpack_group(t, w, n0, cols, nb, &u);
-    NextGroupPrefetch next = next_group_prefetch(w, n0, cols, NGI, GROUPS_PER_TAKE, (M + TR - 1) / TR * sets);
+    NextGroupPrefetch next = next_group_prefetch(w, n0, cols, NGI, (M + TR - 1) / TR * sets);
     for (int64_t r0 = 0; r0 < M; r0 += TR) {
         const int8_t *qp = (K_PAIRED(t) ? xq->q_pairs : xq->q) + ((i0 + r0) / TR) * nb * TR * 32;
         const int64_t rows = M - r0 < TR ? M - r0 : TR;
@@ -473,7 +473,7 @@ void k_gemm_i8(const QuantizedRows *xq, const BlockWeight *w, float *out, int64_
         KGroup u = {aligned_alloc(32, (size_t)(NGI * nb * 32)), aligned_alloc(32, sizeof(int16_t) * (size_t)(NGI * nb * 4)),
                     aligned_alloc(32, sizeof(float) * (size_t)(NGI * nb / 8)), aligned_alloc(32, sizeof(float) * (size_t)(NGI * nb / 8)),
                     aligned_alloc(32, sizeof(int16_t) * (size_t)(NGI * nb * 2))};
-#pragma omp for schedule(dynamic, GROUPS_PER_TAKE)
+#pragma omp for GEMM_SCHEDULE
         for (int64_t g = 0; g < groups; g++) {
             const int64_t n0 = g * NGI, cols = N - n0 < NGI ? N - n0 : NGI;
             switch (w->type) {

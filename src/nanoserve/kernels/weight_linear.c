@@ -296,12 +296,12 @@ void weight_gemm_f32(const float *x, const BlockWeight *w, float *out, int64_t M
         }
         float *buf = malloc(sizeof(float) * (size_t)(NG * K));
         float *acc = malloc(sizeof(float) * (size_t)(panels * NG * 16)); /* (panel, column, 16 rows) */
-#pragma omp for schedule(dynamic, GROUPS_PER_TAKE)
+#pragma omp for GEMM_SCHEDULE
         for (int64_t g = 0; g < groups; g++) {
             const int64_t n0 = g * NG, rows = N - n0 < NG ? N - n0 : NG;
             dequant_rows(w, n0, rows, buf);
             memset(acc, 0, sizeof(float) * (size_t)(panels * NG * 16));
-            NextGroupPrefetch next = next_group_prefetch(w, n0, rows, NG, GROUPS_PER_TAKE, panels * ((K + KC - 1) / KC));
+            NextGroupPrefetch next = next_group_prefetch(w, n0, rows, NG, panels * ((K + KC - 1) / KC));
             /* Slices of K small enough that a panel's slice and 6 weight rows' slices stay in L1. */
             for (int64_t k0 = 0; k0 < K; k0 += KC) {
                 const int64_t kc = K - k0 < KC ? K - k0 : KC;
