@@ -19,7 +19,7 @@ import torch
 
 from nanoserve.kernels import abi, build
 from nanoserve.kernels.backend import CKernelBackend
-from nanoserve.kernels.quant import FLOAT_TYPES, from_float, random_blocks
+from nanoserve.kernels.quant import random_weight
 from nanoserve.model.layers import Linear
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,13 +41,6 @@ def backend_from(kernel_dir: str, threads: int) -> CKernelBackend:
     lib, key, target = build.load_library(source_dir=kernel_dir)
     abi.bind(lib)
     return CKernelBackend(lib, key, target.name, threads)
-
-
-def random_weight(qtype: str, rows: int, k: int, seed: int = 0):
-    """Random blocks of a block type; a float type (F16, BF16, F32) from random float32 weights."""
-    if qtype in FLOAT_TYPES:
-        return from_float(torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)) * 0.02, qtype)
-    return random_blocks(qtype, rows, k, seed=seed)
 
 
 def main(argv=None) -> None:

@@ -1,5 +1,6 @@
 """The benchmark scripts' own logic: scripts/files_table.py's medians and paired ratios over rounds, and
-scripts/kernels_ab.py run end to end on a small product (both builds from this checkout)."""
+scripts/kernels_ab.py and scripts/steps_ab.py run end to end on a small product and a few decode steps
+(both builds from this checkout)."""
 import json
 import os
 import subprocess
@@ -79,3 +80,15 @@ def test_kernels_ab_compares_two_kernel_builds():
     for line in rows:
         ratio = float(line.split("base / working tree ")[1].split("x")[0])
         assert ratio > 0
+
+
+def test_steps_ab_times_decode_steps_on_two_kernel_builds(smollm_path):
+    """The default model's decode steps on two backends swapped round by round in one engine."""
+    kernels = os.path.join(ROOT, "src", "nanoserve", "kernels")
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "steps_ab.py"), smollm_path, "--base-dir",
+                          kernels, "--rows", "3", "--tokens", "4", "--rounds", "2", "--kv-cache-memory", "0.05"],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    last = out.stdout.strip().splitlines()[-1]
+    assert "3 rows a step" in out.stdout and "of 2 rounds" in last
+    assert float(last.split("base / working tree ")[1].split("x")[0]) > 0

@@ -14,7 +14,7 @@ import torch
 
 from backends import C, TORCH, requires_kernels
 from nanoserve.kernels import abi, build, select_backend
-from weights import random_weight
+from nanoserve.kernels.quant import random_weight
 from nanoserve.kernels.abi import KernelArgumentError
 
 

@@ -8,7 +8,7 @@ from nanoserve.kernels import quantize_activations
 from nanoserve.kernels.quant import BLOCK_TYPES, GGML_TYPES, K_TYPES
 from nanoserve.model.layers import KVCache, Linear, TokenEmbedding
 from runner_driver import RunnerDriver
-from weights import random_weight
+from nanoserve.kernels.quant import random_weight
 
 pytestmark = requires_kernels
 

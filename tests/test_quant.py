@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nanoserve.kernels.quant import BLOCK_TYPES, GGML_TYPES, QuantWeight, from_float
-from weights import random_blocks
+from nanoserve.kernels.quant import random_blocks
 
 @pytest.mark.parametrize("qtype", BLOCK_TYPES)
 def test_dequantize_equals_gguf_bit_for_bit(qtype):

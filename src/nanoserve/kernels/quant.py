@@ -278,6 +278,15 @@ def random_blocks(qtype: str, rows: int, k: int, seed: int = 0) -> QuantWeight:
     return QuantWeight(qtype, torch.from_numpy(data.reshape(rows, -1)), k)
 
 
+def random_weight(qtype: str, rows: int, k: int, seed: int = 0) -> QuantWeight:
+    """A (rows, k) weight of any type: random blocks, or a random float matrix converted (the kernel
+    tests' and the kernel benchmarks' weights)."""
+    if qtype in FLOAT_TYPES:
+        g = torch.Generator().manual_seed(seed)
+        return from_float(torch.randn(rows, k, generator=g) * 0.05, qtype)
+    return random_blocks(qtype, rows, k, seed)
+
+
 def quantize_activations(x: torch.Tensor, qtype: str = "Q8_0") -> torch.Tensor:
     """x (M, K) as the int8 products with weights of `qtype` see it, back in float32: per block of 32,
     q = round(x / (s * dx)) in -127..127, with dx the row's largest |x| / (127 * 32767) and s an integer
