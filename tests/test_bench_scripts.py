@@ -10,6 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import files_table  # noqa: E402
+from backends import requires_kernels  # noqa: E402
 
 
 def report(label, round_, level, tok_s, itl=0.01):
@@ -67,6 +68,7 @@ def test_files_table_shows_the_levels_the_log_has(tmp_path, capsys):
     assert cells[1:5] == ["20.0 / 24.0 ms", "1.20x (1.20-1.20)", "40.0 / 36.0", "1.11x (1.11-1.11)"]
 
 
+@requires_kernels
 def test_kernels_ab_compares_two_kernel_builds():
     """Against a directory of sources (the checkout's own, so no git history is needed): two backends
     loaded side by side, every product timed on each, a ratio per type and row count."""
@@ -82,6 +84,7 @@ def test_kernels_ab_compares_two_kernel_builds():
         assert ratio > 0
 
 
+@requires_kernels
 def test_steps_ab_times_decode_steps_on_two_kernel_builds(smollm_path):
     """The default model's decode steps on two backends swapped round by round in one engine."""
     kernels = os.path.join(ROOT, "src", "nanoserve", "kernels")

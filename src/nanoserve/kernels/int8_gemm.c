@@ -124,8 +124,8 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int6
 }
 
 /* Ask for weight rows first .. first + count - 1 (clipped to the matrix) before unpack_group decodes
- * them, one set of rows ahead (past a group's last set: the rows after it, the next group). Rows are contiguous, and a row of a few hundred bytes ends before the
- * hardware prefetcher follows it. Measured 2026-12-04, offline c=32-like load on SmolLM2 Q4_K_M (mostly
+ * them, one set of rows ahead (past a group's last set: the rows after it, the next group). Rows are
+ * contiguous, and a row of a few hundred bytes ends before the hardware prefetcher follows it. Measured 2026-12-04, offline c=32-like load on SmolLM2 Q4_K_M (mostly
  * Q5_0 rows of 396 bytes): 378-396 -> 445-450 output tok/s, alternated twice; Q8_0 no faster, and the
  * same in the K types' GEMM (the 1.1B file's rows of 1152+ bytes) gave nothing, so it does without. */
 static inline void prefetch_rows(const BlockWeight *w, int64_t first, int64_t count) {

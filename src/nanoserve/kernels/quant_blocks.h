@@ -293,16 +293,17 @@ static inline float load1_float_type(int64_t t, const void *row, int64_t k) {
     return f;
 }
 
-/* The GEMMs hand out their groups of weight rows by OpenMP's guided schedule (GEMM_SCHEDULE): each take is
- * what is left divided by the number of threads (with two: half of the groups, then half of the rest, ...),
- * down to one group, so that the threads end together. Takes of 4-6 groups left one thread alone for up
- * to a take at the end of a product: guided, SmolLM2's 576-row products ran 1.00-1.14x as fast at 32-128
- * rows, F16 576 x 576 1.16x, larger ones 0.98-1.05x (kernels_ab.py, 30-60 rounds, 2026-12-07). While its tiles compute a
- * group, a thread asks for the next group's rows (into L2), a slice after each tile, so that the next
- * unpack (or dequantization, weight_linear.c) finds them there; at the end of a take that group is
- * another thread's, a prefetch wasted once a take (skipping it there was 0.99-1.06x as fast). Measured
- * (bench kernels, 16384 x 2048, alternated 4 times, minimum): 32-weight types at 16 and 32 rows 3-10%
- * faster with it. */
+/* The GEMMs hand out their groups of weight rows by OpenMP's guided schedule (GEMM_SCHEDULE): each take
+ * is what is left divided by the number of threads (with two: half of the groups, then half of the
+ * rest, ...), down to one group, so that the threads end together. Takes of 4-6 groups left one thread
+ * alone for up to a take at the end of a product: guided, SmolLM2's 576-row products ran 1.00-1.14x as
+ * fast at 32-128 rows, F16 576 x 576 1.16x, larger ones 0.98-1.05x (kernels_ab.py, 30-60 rounds,
+ * 2026-12-07); whole decode steps of 32 rows 1.03-1.06x (steps_ab.py). While its tiles compute a group, a
+ * thread asks for the next group's rows (into L2), a slice after each tile, so that the next unpack (or
+ * dequantization, weight_linear.c) finds them there; at the end of a take that group is another
+ * thread's, a prefetch wasted once a take (skipping it there was 0.99-1.06x as fast). Measured (bench
+ * kernels, 16384 x 2048, alternated 4 times, minimum): 32-weight types at 16 and 32 rows 3-10% faster
+ * with it. */
 #define GEMM_SCHEDULE schedule(guided, 1)
 typedef struct {
     const char *base;
