@@ -1,7 +1,8 @@
 """A kernel change measured on whole decode steps: one engine (`LLM`) on a model file, its C backend
 swapped between the working tree's kernel build and a base revision's (or a directory's) round by round,
 in one process, the order alternating. Each round decodes `--rows` prompts together for `--tokens` steps
-on each build (new prompts every round, each prefilled apart first so that the timed part is decode).
+on each build (the same prompts for both, new ones every round, each prefilled apart first so that the
+timed part is decode).
 Whole steps carry what one product's timing (scripts/kernels_ab.py) leaves out: the threads' waits
 between products, the element-wise kernels, attention.
 Usage: python scripts/steps_ab.py FILE [--base REV | --base-dir DIR] [--rows 32] [--tokens 48] [--rounds 12]
@@ -44,11 +45,12 @@ def main(argv=None) -> None:
     steps = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     times: dict[str, list[float]] = {"base": [], "work": []}
     for r in range(args.rounds):
+        # the round's prompts, the same for both builds (the same work), new each round
+        prompts = [{"prompt_token_ids": [100 + (7 * i + 13 * r) % 500] + list(range(200 + i, 232 + i))}
+                   for i in range(args.rows)]
         order = (("base", base), ("work", work)) if r % 2 == 0 else (("work", work), ("base", base))
         for name, backend in order:
             runner.backend = runner.sampler.backend = backend
-            prompts = [{"prompt_token_ids": [100 + (7 * i + 13 * r + len(name)) % 500] + list(range(200 + i, 232 + i))}
-                       for i in range(args.rows)]
             llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)  # the prefill
             start = time.perf_counter()
             llm.generate(prompts, steps, use_tqdm=False)  # from the prefix cache, then the decode steps
