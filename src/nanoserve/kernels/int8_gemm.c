@@ -49,7 +49,8 @@ static inline float hmax8(__m256 v) {
  * |q| <= 127 (and q widened to int16 where xq->q16 is allocated, q with each block's halves paired where
  * xq->q_pairs is). Prompt-sized steps split the rows between the threads: one thread quantizing a step of
  * 2048 rows left the other idle for ~2% of an offline c=32-like load. */
-static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int64_t group, QuantizedRows *o) {
+static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int64_t group, int64_t panel,
+                          QuantizedRows *o) {
     const int64_t nb = K / 32, nbx = xs_blocks(nb), ngx = k_xs_groups(nb);
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -58,7 +59,6 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int6
         float *amax = malloc(sizeof(float) * (size_t)nb);
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < Mp; i++) {
-            const int64_t p = i / TR, r = i % TR;
             const float *xr = x + i * K;
             float rmax = 0.0f;
             for (int64_t b = 0; i < M && b < nb; b++) {
@@ -77,7 +77,7 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int6
             for (int64_t b = nb; b < nbx; b++) o->sx[i * nbx + b] = 0.0f;
             for (int64_t g = group > 1 ? nb / group : ngx; g < ngx; g++) o->xk[i * ngx + g] = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
-                int8_t *q = o->q + ((p * nb + b) * TR + r) * 32;
+                int8_t *q = o->q + x_block_index(i, b, nb, panel) * 32;
                 int s = 1;
                 if (i < M && rmax > 0.0f) {
                     s = (int)ceilf(amax[b] / (127.0f * dx));
@@ -87,8 +87,8 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int6
                 if (group > 1 && b % group == 0) o->xk[i * ngx + b / group] = dx * (float)s;
                 if (i >= M || rmax == 0.0f) {
                     memset(q, 0, 32);
-                    if (o->q16) memset(o->q16 + ((p * nb + b) * TR + r) * 32, 0, 64);
-                    if (o->q_pairs) memset(o->q_pairs + ((p * nb + b) * TR + r) * 32, 0, 32);
+                    if (o->q16) memset(o->q16 + x_block_index(i, b, nb, panel) * 32, 0, 64);
+                    if (o->q_pairs) memset(o->q_pairs + x_block_index(i, b, nb, panel) * 32, 0, 32);
                     if (o->sum) {
                         o->sum[i * nb + b] = 0.0f;
                         o->qs16[(i * nb + b) * 2] = o->qs16[(i * nb + b) * 2 + 1] = o->qs32[qs32_index(i, nb, b)] = 0;
@@ -103,12 +103,12 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int6
                 const __m256i codes = _mm256_permutevar8x32_epi32(packed, order);
                 _mm256_storeu_si256((__m256i *)q, codes);
                 if (o->q16) { /* widened for the GEMM_INT16 types' GEMM */
-                    int16_t *q16 = o->q16 + ((p * nb + b) * TR + r) * 32;
+                    int16_t *q16 = o->q16 + x_block_index(i, b, nb, panel) * 32;
                     _mm256_storeu_si256((__m256i *)q16, _mm256_cvtepi8_epi16(_mm256_castsi256_si128(codes)));
                     _mm256_storeu_si256((__m256i *)(q16 + 16), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(codes, 1)));
                 }
                 if (o->q_pairs) /* for the K_PAIRED types' GEMM */
-                    _mm256_storeu_si256((__m256i *)(o->q_pairs + ((p * nb + b) * TR + r) * 32), pair_halves(codes));
+                    _mm256_storeu_si256((__m256i *)(o->q_pairs + x_block_index(i, b, nb, panel) * 32), pair_halves(codes));
                 if (!o->sum) continue; /* the signed 32-weight types: no minimum term */
                 /* The minimum term takes the quantized block's sum: the result is then exactly the product
                  * with the quantized x, and its error does not grow with the blocks' offsets m. */
@@ -453,7 +453,6 @@ NS_ALWAYS_INLINE void stream_blocks(int t, const QuantizedRows *xq, const uint8_
     const int64_t nbx = xs_blocks(nb);
 #pragma GCC unroll 8
     for (int64_t i = 0; i < M; i++) {
-        const int64_t off = quantized_row_offset(i, nb);
         __m256i p[8];
         for (int j = 0; j < 8; j++) {
             if (j >= n8) { /* past the row's end (the last eight blocks only) */
@@ -462,7 +461,7 @@ NS_ALWAYS_INLINE void stream_blocks(int t, const QuantizedRows *xq, const uint8_
             }
             const __m256i w = _mm256_load_si256((const __m256i *)wv[j]);
             const __m256i a = TYPE_SIGNED(t) ? _mm256_load_si256((const __m256i *)wa[j]) : w;
-            p[j] = block_dot(t, w, a, _mm256_load_si256((const __m256i *)(xq->q + (off + (b0 + j) * TR) * 32)));
+            p[j] = block_dot(t, w, a, _mm256_load_si256((const __m256i *)(xq->q + x_block_index(i, b0 + j, nb, M) * 32)));
         }
         const __m256 scale = _mm256_mul_ps(dd, _mm256_loadu_ps(xq->sx + i * nbx + b0));
         acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_totals(p)), scale, acc[i]);
@@ -531,14 +530,18 @@ void weight_gemm_i8(const float *x, const BlockWeight *w, float *out, int64_t M,
     if (!k_type && M > stream_max && GEMM_INT16(w->type)) /* x's codes widened too, for the GEMM */
         xq.q16 = aligned_alloc(32, sizeof(int16_t) * (size_t)(Mp * K));
     if (M > STREAM_MAX_ROWS && K_PAIRED(w->type)) xq.q_pairs = aligned_alloc(32, (size_t)(Mp * K));
-    /* The streaming kernels read x's rows only, the GEMM's tiles the padding rows too (as zeros) */
+    /* The streaming kernels read x's rows only, in one panel; the GEMM's tiles the padding rows too (as
+     * zeros), in panels of TR */
     const int streams = M <= (k_type ? STREAM_MAX_ROWS : stream_max);
-    quantize_rows(x, M, streams ? M : Mp, K, k_type ? K_GROUP_BLOCKS : 1, &xq);
-    if (!k_type && streams) stream_rows(&xq, w, out, ldo, M, nb);
-    else /* k_gemm_i8 streams a chunk of up to STREAM_MAX_ROWS rows itself */
+    quantize_rows(x, M, streams ? M : Mp, K, k_type ? K_GROUP_BLOCKS : 1, streams ? M : TR, &xq);
+    if (streams && k_type) k_stream_i8(&xq, w, out, ldo, M);
+    else if (streams) stream_rows(&xq, w, out, ldo, M, nb);
+    else
         for (int64_t i0 = 0; i0 < M; i0 += CHUNK_ROWS) {
             const int64_t rows = M - i0 < CHUNK_ROWS ? M - i0 : CHUNK_ROWS;
-            if (k_type) k_gemm_i8(&xq, w, out, ldo, i0, rows);
+            /* a K type's last few rows stream (quantized again, alone: each row's codes are its own) */
+            if (k_type && rows <= STREAM_MAX_ROWS) weight_gemm_i8(x + i0 * K, w, out + i0 * ldo, rows, ldo);
+            else if (k_type) k_gemm_i8(&xq, w, out, ldo, i0, rows);
             else gemm_rows(&xq, w, out, ldo, i0, rows, nb, w->n);
         }
     free(xq.q);

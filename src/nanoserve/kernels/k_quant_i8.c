@@ -156,10 +156,10 @@ NS_ALWAYS_INLINE void k_scales8(int t, const uint8_t *row, int64_t g0, int n8, _
     }
 }
 
-/* One weight row against rows i0 .. i0 + M - 1 (M <= STREAM_MAX_ROWS) of x: eight super-blocks at a time,
+/* One weight row against the M <= STREAM_MAX_ROWS rows of x (one panel): eight super-blocks at a time,
  * super-block g0 + k's sums in lane k, so that lane k's fused multiply-adds are the GEMM's for residue k. */
 NS_ALWAYS_INLINE void k_stream_row(int t, const QuantizedRows *xq, const uint8_t *row, float *out, int64_t ldo,
-                                   int64_t i0, int64_t M, int64_t nb) {
+                                   int64_t M, int64_t nb) {
     const int64_t bytes = type_block_bytes(t), ng = nb / 8, ngx = k_xs_groups(nb);
     __m256 acc[STREAM_MAX_ROWS], m_acc[STREAM_MAX_ROWS];
     for (int64_t i = 0; i < M; i++) acc[i] = m_acc[i] = _mm256_setzero_ps();
@@ -187,20 +187,19 @@ NS_ALWAYS_INLINE void k_stream_row(int t, const QuantizedRows *xq, const uint8_t
             for (int j = 0; j < 8; j++) {
                 const __m256i w = k_unsigned_codes(t, p, j), sc = k_sc(t, &ks, j);
                 for (int64_t i = 0; i < M; i++) {
-                    const int64_t off = quantized_row_offset(i0 + i, nb) + (8 * g + j) * TR;
-                    const __m256i xv = _mm256_load_si256((const __m256i *)(xq->q + off * 32));
+                    const __m256i xv = _mm256_load_si256((const __m256i *)(xq->q + x_block_index(i, 8 * g + j, nb, M) * 32));
                     isum[i] = _mm256_add_epi32(isum[i], k_dot(w, xv, sc));
                     NS_KEEP_IN_REGISTER(isum[i]);
                 }
             }
-            for (int64_t i = 0; i < M; i++) v[i][k] = _mm256_hadd_epi32(isum[i], k_min_products(ks.mn16, xq, i0 + i, nb, g));
+            for (int64_t i = 0; i < M; i++) v[i][k] = _mm256_hadd_epi32(isum[i], k_min_products(ks.mn16, xq, i, nb, g));
         }
         __m256 dv, dminv;
         k_scales8(t, row, g0, n8, &dv, &dminv);
         for (int64_t i = 0; i < M; i++) {
             __m256i tot, min;
             k_totals8(v[i], &tot, &min);
-            k_fold(tot, min, dv, dminv, _mm256_loadu_ps(xq->xk + (i0 + i) * ngx + g0), &acc[i], &m_acc[i]);
+            k_fold(tot, min, dv, dminv, _mm256_loadu_ps(xq->xk + i * ngx + g0), &acc[i], &m_acc[i]);
         }
     }
     for (int64_t i = 0; i < M; i++) out[i * ldo] = hsum256(acc[i]) + hsum256(m_acc[i]);
@@ -451,22 +450,23 @@ NS_ALWAYS_INLINE void k_gemm_group(int t, const QuantizedRows *xq, const BlockWe
     }
 }
 
-/* Each weight row (streaming) or group of NGI weight rows (GEMM) in parallel, the type a literal in
- * each region (see quantized_rows.h's STREAM_ROWS_CASE). */
-void k_gemm_i8(const QuantizedRows *xq, const BlockWeight *w, float *out, int64_t ldo, int64_t i0, int64_t M) {
+/* Each weight row in parallel against the M <= STREAM_MAX_ROWS rows of x, quantized in one panel, the type
+ * a literal in each region (see quantized_rows.h's STREAM_ROWS_CASE). */
+void k_stream_i8(const QuantizedRows *xq, const BlockWeight *w, float *out, int64_t ldo, int64_t M) {
     const uint8_t *data = (const uint8_t *)w->data;
     const int64_t N = w->n, rb = w->row_bytes, nb = w->k / 32;
-    if (M <= STREAM_MAX_ROWS) {
-        out += i0 * ldo;
-        switch (w->type) {
-#define ROW(T, xq, rowp, o, ldo, m, nb) k_stream_row(T, xq, rowp, o, ldo, i0, m, nb)
-            STREAM_ROWS_CASE(T_Q2_K, ROW) STREAM_ROWS_CASE(T_Q3_K, ROW) STREAM_ROWS_CASE(T_Q4_K, ROW)
-            STREAM_ROWS_CASE(T_Q5_K, ROW) STREAM_ROWS_CASE(T_Q6_K, ROW)
+    switch (w->type) {
+#define ROW(T, xq, rowp, o, ldo, m, nb) k_stream_row(T, xq, rowp, o, ldo, m, nb)
+        STREAM_ROWS_CASE(T_Q2_K, ROW) STREAM_ROWS_CASE(T_Q3_K, ROW) STREAM_ROWS_CASE(T_Q4_K, ROW)
+        STREAM_ROWS_CASE(T_Q5_K, ROW) STREAM_ROWS_CASE(T_Q6_K, ROW)
 #undef ROW
-        default: break;
-        }
-        return;
+    default: break;
     }
+}
+
+/* Each group of NGI weight rows in parallel against rows i0 .. i0 + M - 1 of x (TR-row panels). */
+void k_gemm_i8(const QuantizedRows *xq, const BlockWeight *w, float *out, int64_t ldo, int64_t i0, int64_t M) {
+    const int64_t N = w->n, nb = w->k / 32;
     const int64_t groups = (N + NGI - 1) / NGI;
 #pragma omp parallel
     {

@@ -13,7 +13,7 @@
 #define TR 4 /* rows of x per panel */
 
 /* Block b of row i is x ~= dx[i] * s * q with q in -127..127 and s an integer in 1..32767, so a block's
- * scale is nearly as fine as a float's. Rows in panels of TR: q as [panel][block][row][32], s as a float
+ * scale is nearly as fine as a float's. Rows in panels: q as [panel][block][row][32] (x_block_index), s as a float
  * per [row][block] (sx, each row padded with zeros to a multiple of 8 blocks: xs_blocks), per [row][block]
  * the block's sum of q times s times dx (sum, for the weights' minimum terms; 8 zeros past its end), and per
  * [row][half-block] the sum of q alone over each 16 values as int16 (qs16, for the K types' integer
@@ -81,9 +81,13 @@ static inline void float16_pairs8(__m256i words, __m256 *lo, __m256 *hi) {
     *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(both, 1));
 }
 
-/* Offset, in blocks of 32, of row i's block 0 in q (x32 bytes) and s (x16 int16); block b is b * TR further. */
-static inline int64_t quantized_row_offset(int64_t i, int64_t nb) {
-    return (i / TR) * nb * TR + i % TR;
+/* Index, in blocks of 32 codes, of row i's block b in q (and q16, q_pairs): rows in panels of `panel`, TR
+ * for the tiled GEMMs (a tile's rows side by side), all M rows of a streaming product in one panel (each
+ * weight block's x codes adjacent, a row's in M * K bytes). With TR-row panels one row of x spread over
+ * 2K bytes of cache lines and left L1 with the weights streaming through: at one row, 2048 x 8192 Q4_K took
+ * 2.05x, Q6_K 1.84x the time of one panel, 2048 x 5632 1.34x and 1.61x (kernels_ab.py, 2026-12-07). */
+static inline int64_t x_block_index(int64_t i, int64_t b, int64_t nb, int64_t panel) {
+    return ((i / panel) * nb + b) * panel + i % panel;
 }
 
 /* The 32 products of a block's codes w with 32 quantized x, as 8 int32 sums (lane l: weights 4l..4l+3),
@@ -115,10 +119,11 @@ static inline float finish(float dx, __m256 acc, float m_term) {
     return dx * hsum256(acc) + m_term;
 }
 
-/* One case of a streaming kernel's switch on the weight type: each weight row in parallel, in one region
- * per type so that the type is a literal inside it (GCC outlines OpenMP regions before it inlines), and M
- * a literal, so that x's vectors and the accumulators stay in registers (with M a run-time value GCC
- * turned the loads into memcpy calls). Uses the caller's xq, data, rb, N, out, ldo, M and nb. */
+/* One case of a streaming kernel's switch on the weight type: the weight rows shared between the threads
+ * (RowShares, quant_blocks.h), in one region per type so that the type is a literal inside it (GCC
+ * outlines OpenMP regions before it inlines), and M a literal, so that x's vectors and the accumulators
+ * stay in registers (with M a run-time value GCC turned the loads into memcpy calls). Uses the caller's
+ * xq, data, rb, N, out, ldo, M and nb. */
 #if defined(__AVX2__)
 #define STREAM_ROW_COUNTS(T, ROW)                                                                            \
     case 3: ROW(T, xq, data + n * rb, out + n, ldo, 3, nb); break;                                           \
@@ -131,19 +136,27 @@ static inline float finish(float dx, __m256 acc, float m_term) {
 #define STREAM_ROW_COUNTS(T, ROW)
 #endif
 #define STREAM_ROWS_CASE(T, ROW)                                                                             \
-    case T:                                                                                                  \
-        _Pragma("omp parallel for schedule(static)") for (int64_t n = 0; n < N; n++) {                       \
-            switch (M) {                                                                                     \
-            case 1: ROW(T, xq, data + n * rb, out + n, ldo, 1, nb); break;                                   \
-            case 2: ROW(T, xq, data + n * rb, out + n, ldo, 2, nb); break;                                   \
-            STREAM_ROW_COUNTS(T, ROW)                                                                        \
-            default: ROW(T, xq, data + n * rb, out + n, ldo, M, nb); break;                                  \
-            }                                                                                                \
+    case T: {                                                                                                \
+        RowShares shares;                                                                                    \
+        row_shares_init(&shares, N, rb);                                                                     \
+        _Pragma("omp parallel") {                                                                            \
+            int64_t n0, count;                                                                               \
+            while ((count = row_shares_take(&shares, &n0)) > 0)                                              \
+                for (int64_t n = n0; n < n0 + count; n++) {                                                  \
+                    switch (M) {                                                                             \
+                    case 1: ROW(T, xq, data + n * rb, out + n, ldo, 1, nb); break;                           \
+                    case 2: ROW(T, xq, data + n * rb, out + n, ldo, 2, nb); break;                           \
+                    STREAM_ROW_COUNTS(T, ROW)                                                                \
+                    default: ROW(T, xq, data + n * rb, out + n, ldo, M, nb); break;                          \
+                    }                                                                                        \
+                }                                                                                            \
         }                                                                                                    \
-        break;
+    } break;
 
-/* out = x W^T for W of a K type, x quantized in xq with one s per super-block (k_quant_i8.c): rows i0 ..
- * i0 + M - 1 (i0 a multiple of TR), streaming the weights up to STREAM_MAX_ROWS rows, else the tiled GEMM. */
+/* out = x W^T for W of a K type, x quantized in xq with one s per super-block (k_quant_i8.c): the
+ * weights streamed against M <= STREAM_MAX_ROWS rows in one panel (k_stream_i8), or the tiled GEMM on rows
+ * i0 .. i0 + M - 1 (i0 a multiple of TR) in TR-row panels (k_gemm_i8). */
+void k_stream_i8(const QuantizedRows *xq, const BlockWeight *w, float *out, int64_t ldo, int64_t M);
 void k_gemm_i8(const QuantizedRows *xq, const BlockWeight *w, float *out, int64_t ldo, int64_t i0, int64_t M);
 
 #endif
