@@ -71,7 +71,9 @@ def test_model_output_same_with_and_without_kernel(tiny_models, kv_dtype):
 
 ALL_TYPES = list(GGML_TYPES)
 FLOAT_TYPES_ODD = ("F32", "F16", "BF16")
-ROW_COUNTS = [1, 2, 5, 8, 16, 64, 300]  # streaming (<= 5 rows), the GEMM's 8-row and 16-row panels, a prompt
+# streaming (<= 5 rows; int8 on block types <= 8), the GEMM's 8-row and 16-row panels, a 128-row chunk and a
+# 2-row tail (K types: streamed on its own), a prompt
+ROW_COUNTS = [1, 2, 5, 8, 16, 64, 130, 300]
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES)
@@ -144,6 +146,24 @@ def test_gemm_row_does_not_depend_on_its_panel():
     full = C.weight_linear(x, w, int8=False)
     for rows in (6, 8, 9, 17, 24, 33):  # the GEMM runs from 6 rows
         assert torch.equal(C.weight_linear(x[:rows], w, int8=False), full[:rows]), rows
+
+
+@pytest.mark.parametrize("qtype, int8", [("Q4_K", True), ("Q8_0", True), ("Q4_1", False), ("F16", False)])
+def test_streaming_rows_shared_between_threads(qtype, int8):
+    """The streaming kernels hand out weight rows in chunks (each thread's own share from the front, then
+    others' from the back, RowShares in quant_blocks.h): on 12000 weight rows, several chunks a share,
+    every output is written once and is the one its row gives alone, at 1 and 3 rows of x."""
+    w = random_weight(qtype, 12000, 256, seed=5)
+    exact = w.dequantize().double()
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(5))
+    for rows in (1, 3):
+        out = C.weight_linear(x[:rows], w, int8)
+        xr = quantize_activations(x[:rows], qtype).double() if int8 else x[:rows].double()
+        ref = (xr @ exact.T).float()
+        torch.testing.assert_close(out, ref, atol=1e-5 * ref.abs().max().item(), rtol=0, msg=f"{rows} rows")
+        for n0 in (0, 5999, 6000, 11999):  # the first and last rows of each share: each equal to its weight row alone
+            one = C.weight_linear(x[:rows], w.rows(n0, n0 + 1), int8)
+            assert torch.equal(out[:, n0:n0 + 1], one), n0
 
 
 @pytest.mark.parametrize("int8", [False, True])

@@ -76,8 +76,10 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int6
             o->dx[i] = dx;
             for (int64_t b = nb; b < nbx; b++) o->sx[i * nbx + b] = 0.0f;
             for (int64_t g = group > 1 ? nb / group : ngx; g < ngx; g++) o->xk[i * ngx + g] = 0.0f;
+            const int64_t block0 = x_block_index(i, 0, nb, panel); /* block b is b * panel further */
             for (int64_t b = 0; b < nb; b++) {
-                int8_t *q = o->q + x_block_index(i, b, nb, panel) * 32;
+                const int64_t at = (block0 + b * panel) * 32;
+                int8_t *q = o->q + at;
                 int s = 1;
                 if (i < M && rmax > 0.0f) {
                     s = (int)ceilf(amax[b] / (127.0f * dx));
@@ -87,8 +89,8 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int6
                 if (group > 1 && b % group == 0) o->xk[i * ngx + b / group] = dx * (float)s;
                 if (i >= M || rmax == 0.0f) {
                     memset(q, 0, 32);
-                    if (o->q16) memset(o->q16 + x_block_index(i, b, nb, panel) * 32, 0, 64);
-                    if (o->q_pairs) memset(o->q_pairs + x_block_index(i, b, nb, panel) * 32, 0, 32);
+                    if (o->q16) memset(o->q16 + at, 0, 64);
+                    if (o->q_pairs) memset(o->q_pairs + at, 0, 32);
                     if (o->sum) {
                         o->sum[i * nb + b] = 0.0f;
                         o->qs16[(i * nb + b) * 2] = o->qs16[(i * nb + b) * 2 + 1] = o->qs32[qs32_index(i, nb, b)] = 0;
@@ -103,12 +105,12 @@ static void quantize_rows(const float *x, int64_t M, int64_t Mp, int64_t K, int6
                 const __m256i codes = _mm256_permutevar8x32_epi32(packed, order);
                 _mm256_storeu_si256((__m256i *)q, codes);
                 if (o->q16) { /* widened for the GEMM_INT16 types' GEMM */
-                    int16_t *q16 = o->q16 + x_block_index(i, b, nb, panel) * 32;
+                    int16_t *q16 = o->q16 + at;
                     _mm256_storeu_si256((__m256i *)q16, _mm256_cvtepi8_epi16(_mm256_castsi256_si128(codes)));
                     _mm256_storeu_si256((__m256i *)(q16 + 16), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(codes, 1)));
                 }
                 if (o->q_pairs) /* for the K_PAIRED types' GEMM */
-                    _mm256_storeu_si256((__m256i *)(o->q_pairs + x_block_index(i, b, nb, panel) * 32), pair_halves(codes));
+                    _mm256_storeu_si256((__m256i *)(o->q_pairs + at), pair_halves(codes));
                 if (!o->sum) continue; /* the signed 32-weight types: no minimum term */
                 /* The minimum term takes the quantized block's sum: the result is then exactly the product
                  * with the quantized x, and its error does not grow with the blocks' offsets m. */
