@@ -386,4 +386,17 @@ static inline int64_t row_shares_take(RowShares *s, int64_t *begin) {
     return 0;
 }
 
+/* A parallel region in which each of the N weight rows (row_bytes each) runs BODY once, with n its index,
+ * handed out by RowShares: the streaming kernels' loop over the weight rows. */
+#define FOR_EACH_SHARED_ROW(N, row_bytes, n, BODY)                                                           \
+    do {                                                                                                     \
+        RowShares shares_;                                                                                   \
+        row_shares_init(&shares_, N, row_bytes);                                                             \
+        _Pragma("omp parallel") {                                                                            \
+            int64_t n0_, count_;                                                                             \
+            while ((count_ = row_shares_take(&shares_, &n0_)) > 0)                                           \
+                for (int64_t n = n0_; n < n0_ + count_; n++) BODY                                            \
+        }                                                                                                    \
+    } while (0)
+
 #endif

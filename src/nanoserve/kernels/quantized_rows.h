@@ -136,22 +136,16 @@ static inline float finish(float dx, __m256 acc, float m_term) {
 #define STREAM_ROW_COUNTS(T, ROW)
 #endif
 #define STREAM_ROWS_CASE(T, ROW)                                                                             \
-    case T: {                                                                                                \
-        RowShares shares;                                                                                    \
-        row_shares_init(&shares, N, rb);                                                                     \
-        _Pragma("omp parallel") {                                                                            \
-            int64_t n0, count;                                                                               \
-            while ((count = row_shares_take(&shares, &n0)) > 0)                                              \
-                for (int64_t n = n0; n < n0 + count; n++) {                                                  \
-                    switch (M) {                                                                             \
-                    case 1: ROW(T, xq, data + n * rb, out + n, ldo, 1, nb); break;                           \
-                    case 2: ROW(T, xq, data + n * rb, out + n, ldo, 2, nb); break;                           \
-                    STREAM_ROW_COUNTS(T, ROW)                                                                \
-                    default: ROW(T, xq, data + n * rb, out + n, ldo, M, nb); break;                          \
-                    }                                                                                        \
-                }                                                                                            \
-        }                                                                                                    \
-    } break;
+    case T:                                                                                                  \
+        FOR_EACH_SHARED_ROW(N, rb, n, {                                                                      \
+            switch (M) {                                                                                     \
+            case 1: ROW(T, xq, data + n * rb, out + n, ldo, 1, nb); break;                                   \
+            case 2: ROW(T, xq, data + n * rb, out + n, ldo, 2, nb); break;                                   \
+            STREAM_ROW_COUNTS(T, ROW)                                                                        \
+            default: ROW(T, xq, data + n * rb, out + n, ldo, M, nb); break;                                  \
+            }                                                                                                \
+        });                                                                                                  \
+        break;
 
 /* out = x W^T for W of a K type, x quantized in xq with one s per super-block (k_quant_i8.c): the
  * weights streamed against M <= STREAM_MAX_ROWS rows in one panel (k_stream_i8), or the tiled GEMM on rows

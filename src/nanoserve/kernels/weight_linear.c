@@ -143,15 +143,9 @@ void weight_stream_f32(const float *x, const BlockWeight *w, float *out, int64_t
     }
     switch (w->type) {
 #define CASE(T)                                                                                              \
-    case T: {                                                                                                \
-        RowShares shares;                                                                                    \
-        row_shares_init(&shares, N, rb);                                                                     \
-        _Pragma("omp parallel") {                                                                            \
-            int64_t n0, count;                                                                               \
-            while ((count = row_shares_take(&shares, &n0)) > 0)                                              \
-                for (int64_t n = n0; n < n0 + count; n++) stream_row(T, x, data + n * rb, out + n, M, K, ldo, xsum); \
-        }                                                                                                    \
-    } break;
+    case T:                                                                                                  \
+        FOR_EACH_SHARED_ROW(N, rb, n, { stream_row(T, x, data + n * rb, out + n, M, K, ldo, xsum); });         \
+        break;
         FOR_EACH_BLOCK_TYPE(CASE) CASE(T_F32) CASE(T_F16) CASE(T_BF16)
 #undef CASE
     default: break;
