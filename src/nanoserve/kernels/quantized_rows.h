@@ -13,8 +13,8 @@
 #define TR 4 /* rows of x per panel */
 
 /* Block b of row i is x ~= dx[i] * s * q with q in -127..127 and s an integer in 1..32767, so a block's
- * scale is nearly as fine as a float's. Rows in panels: q as [panel][block][row][32] (x_block_index), s as a float
- * per [row][block] (sx, each row padded with zeros to a multiple of 8 blocks: xs_blocks), per [row][block]
+ * scale is nearly as fine as a float's. Rows in panels: q as [panel][block][row][32] (x_block_index), s as
+ * a float per [row][block] (sx, each row padded with zeros to a multiple of 8 blocks: xs_blocks), per [row][block]
  * the block's sum of q times s times dx (sum, for the weights' minimum terms; 8 zeros past its end), and per
  * [row][half-block] the sum of q alone over each 16 values as int16 (qs16, for the K types' integer
  * products with their minimums and offsets), and over each block's 32 as int16 in panels
@@ -85,7 +85,8 @@ static inline void float16_pairs8(__m256i words, __m256 *lo, __m256 *hi) {
  * for the tiled GEMMs (a tile's rows side by side), all M rows of a streaming product in one panel (each
  * weight block's x codes adjacent, a row's in M * K bytes). With TR-row panels one row of x spread over
  * 2K bytes of cache lines and left L1 with the weights streaming through: at one row, 2048 x 8192 Q4_K took
- * 2.05x, Q6_K 1.84x the time of one panel, 2048 x 5632 1.34x and 1.61x (kernels_ab.py, 2026-12-07). */
+ * 2.05x, Q6_K 1.84x the time of one panel; 2048 x 5632 Q4_K 1.27x, Q6_K 1.54x, Q8_0 1.33x, Q4_1 1.32x; 576- to
+ * 2048-wide products within noise (kernels_ab.py, 2026-12-07). */
 static inline int64_t x_block_index(int64_t i, int64_t b, int64_t nb, int64_t panel) {
     return ((i / panel) * nb + b) * panel + i % panel;
 }
