@@ -75,7 +75,7 @@ def test_inconsistent_shapes_are_refused():
 
 
 def test_stacked_weights_live_in_weight_memory():
-    """A fused projection's parts are stacked (Linear.set_weight) into a weight_buffer as the loader's
+    """A fused projection's parts are stacked (Linear.set_weight) into a huge_page_buffer as the loader's
     weights: from 2 MiB on, starting on a 2 MiB boundary (its pages advised as huge pages), the same values
     as torch.cat."""
     from nanoserve.kernels.quant import HUGE_PAGE, stack_rows
@@ -89,3 +89,20 @@ def test_stacked_weights_live_in_weight_memory():
     assert torch.equal(fused.data, torch.cat([gate.data, up.data]))
     small = stack_rows([torch.ones(2, 3), torch.zeros(1, 3)])
     assert torch.equal(small, torch.tensor([[1.0] * 3, [1.0] * 3, [0.0] * 3]))
+
+
+def test_packed_weights_share_one_buffer():
+    """pack_weights (build_model's last step) moves every matrix, in order, into one buffer on a 2 MiB
+    boundary, each 64-byte aligned: the same values, a matrix two weights share (a tied output projection)
+    moved once and still shared, the kernels' cached struct dropped."""
+    from nanoserve.kernels.quant import HUGE_PAGE, pack_weights, random_weight
+
+    a, b = random_weight("Q4_K", 8192, 512, seed=1), random_weight("F16", 7, 40, seed=2)  # 2.25 MiB, then 560 B
+    tied = QuantWeight(a.qtype, a.data, a.k)
+    before = [w.data.clone() for w in (a, b)]
+    a.c_struct = "stale"
+    size = pack_weights([a, b, tied])
+    assert a.data.data_ptr() % HUGE_PAGE == 0 and tied.data is a.data and a.c_struct is None
+    assert b.data.data_ptr() == a.data.data_ptr() + (a.nbytes + 63) // 64 * 64
+    assert size == (a.nbytes + 63) // 64 * 64 + (b.nbytes + 63) // 64 * 64
+    assert torch.equal(a.data, before[0]) and torch.equal(b.data, before[1]) and b.data.dtype == torch.float16

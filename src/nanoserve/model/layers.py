@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.kernels.backend import TorchBackend
-from nanoserve.kernels.quant import FLOAT_TYPES, QuantWeight, stack_rows
+from nanoserve.kernels.quant import FLOAT_TYPES, QuantWeight, huge_page_buffer, stack_rows
 
 
 class Linear(nn.Module):
@@ -159,8 +159,11 @@ class KVCache:
     float32 or float16; attention always computes in float32."""
 
     def __init__(self, num_kv_heads: int, num_slots: int, head_dim: int, dtype: torch.dtype):
-        self.k = torch.zeros(num_kv_heads, num_slots, head_dim, dtype=dtype)
-        self.v = torch.zeros(num_kv_heads, num_slots, head_dim, dtype=dtype)
+        # On 2 MiB pages: a sequence's blocks lie anywhere in the pool, each on a 4 KiB page of its own
+        # otherwise (decode attention over a server-sized pool, 32 rows of 130 positions: 1.107x as fast).
+        shape, nbytes = (num_kv_heads, num_slots, head_dim), num_kv_heads * num_slots * head_dim * dtype.itemsize
+        self.k = huge_page_buffer(nbytes).view(dtype).view(shape).zero_()
+        self.v = huge_page_buffer(nbytes).view(dtype).view(shape).zero_()
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,

@@ -13,7 +13,7 @@ import torch
 
 from nanoserve.cache import cache_dir, file_key
 from nanoserve.config import ModelConfig
-from nanoserve.kernels.quant import FLOAT_TYPES, GGML_TYPES, QuantWeight, weight_buffer
+from nanoserve.kernels.quant import FLOAT_TYPES, GGML_TYPES, QuantWeight, huge_page_buffer
 from nanoserve.errors import ModelLoadError  # noqa: F401  (raised here, imported from here by callers)
 from nanoserve.model.default import default_model_path  # noqa: F401  (imported from here by callers)
 
@@ -159,7 +159,7 @@ def gguf_header(path: str) -> tuple[ModelConfig, list[tuple[str, str, tuple[int,
 
 def _read(f, offset: int, nbytes: int) -> torch.Tensor:
     """nbytes of the file at offset, into memory of our own (no mapping of the file stays behind)."""
-    buf = weight_buffer(nbytes)
+    buf = huge_page_buffer(nbytes)
     f.seek(offset)
     if f.readinto(memoryview(buf.numpy())) != nbytes:
         raise ModelLoadError(f"{f.name}: file ends inside a tensor (truncated download?)")

@@ -8,7 +8,7 @@ import os
 
 from nanoserve.cache import cache_dir, file_key
 from nanoserve.config import QUANTIZATIONS, WEIGHT_DTYPES, ModelConfig
-from nanoserve.kernels.quant import FLOAT_TYPES, QuantWeight, from_float, quantized_type
+from nanoserve.kernels.quant import FLOAT_TYPES, QuantWeight, from_float, pack_weights, quantized_type
 from nanoserve.model.layers import RotaryEmbedding
 from nanoserve.model.llama import LlamaForCausalLM
 from nanoserve.model.loader import ModelLoadError, load_model_weights
@@ -37,6 +37,8 @@ def build_model(path: str, dtype: str = "auto", max_positions: int = 0,
         raise ModelLoadError(f"{path}: weight {exc.args[0]} is missing") from None
     except ValueError as exc:  # shape mismatch
         raise ModelLoadError(f"{path}: weights do not match the config ({exc})") from None
+    state = None  # the loader's matrices, some stacked into fused projections since: freed as they are packed
+    pack_weights(matrices(model))
     # cos/sin tables stay float32, sized for the context we will actually serve.
     model.rope = RotaryEmbedding(config.head_dim, max_positions or config.max_position_embeddings,
                                  config.rope_theta, config.rope_scaling)
@@ -93,26 +95,30 @@ def _dir_stamp(path: str) -> str:
     return ",".join(parts)
 
 
-def describe_weights(model: LlamaForCausalLM) -> str:
-    """The matrices' types, counted, and their size, e.g. "Q4_K x150, Q6_K x31 (98.3 MiB)"."""
-    counts: dict[str, int] = {}
+def matrices(model: LlamaForCausalLM) -> list[QuantWeight]:
+    """Every weight matrix once, in the order a step uses them (a tied output projection is the embedding)."""
     seen: dict[int, QuantWeight] = {}
     for layer in model.linears():
         for p in layer.parts:
-            counts[p.qtype] = counts.get(p.qtype, 0) + 1
-            seen[id(p.data)] = p
-    emb = model.embed_tokens.weight
-    if id(emb.data) not in seen:
-        counts[f"{emb.qtype} (embedding)"] = 1
-        seen[id(emb.data)] = emb
-    total = sum(w.nbytes for w in seen.values())
+            seen.setdefault(id(p), p)
+    seen.setdefault(id(model.embed_tokens.weight), model.embed_tokens.weight)
+    return list(seen.values())
+
+
+def describe_weights(model: LlamaForCausalLM) -> str:
+    """The matrices' types, counted, and their size, e.g. "Q4_K x150, Q6_K x31 (98.3 MiB)"."""
+    counts: dict[str, int] = {}
+    in_linears = {id(p) for layer in model.linears() for p in layer.parts}
+    weights = matrices(model)
+    for w in weights:
+        key = w.qtype if id(w) in in_linears else f"{w.qtype} (embedding)"  # an untied embedding
+        counts[key] = counts.get(key, 0) + 1
+    total = sum(w.nbytes for w in weights)
     return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())) + f" ({total / 2**20:.1f} MiB)"
 
 
 def weight_bytes(model: LlamaForCausalLM) -> int:
     """Bytes of every weight matrix (each shared matrix once) plus the float vectors."""
-    seen = {id(p.data): p.nbytes for layer in model.linears() for p in layer.parts}
-    seen[id(model.embed_tokens.weight.data)] = model.embed_tokens.weight.nbytes
-    return sum(seen.values()) + sum(t.numel() * t.element_size() for t in model.parameters())
+    return sum(w.nbytes for w in matrices(model)) + sum(t.numel() * t.element_size() for t in model.parameters())
 
 
