@@ -51,9 +51,9 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     """Memory for the weights (pack_weights, stack_rows) or a KV cache; from 2 MiB on, starting on a 2 MiB
     boundary, its whole 2 MiB pages advised as huge pages (madvise MADV_HUGEPAGE: this host's THP mode is
     `madvise`, and PyTorch's allocator advises none). A decode step streams every weight once; on 4 KiB
-    pages each page costs a TLB walk when its turn comes. Measured, SmolLM2 F16's output projection (57 MB, one row, caches and
-    TLB cold): 2.49-2.52 -> 1.63-1.83 ms. The padding before the boundary is never touched, so it is not
-    resident; where the kernel has no free huge page the buffer works on small pages."""
+    pages each page costs a TLB walk when its turn comes. Measured, SmolLM2 F16's output projection (57 MB,
+    one row, caches and TLB cold): 2.49-2.52 -> 1.63-1.83 ms. The padding before the boundary is never
+    touched, so it is not resident; where the kernel has no free huge page the buffer works on small pages."""
     if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(nbytes, dtype=torch.uint8)
     whole = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
